@@ -1,0 +1,25 @@
+"""Target LM family (Qwen3 / Qwen2 / Llama 3), KV cache, Hugging Face checkpoint loading."""
+
+from dspark_jax.models.transformer import (
+    ForwardOut,
+    KVCache,
+    Transformer,
+    forward,
+    forward_jit,
+    graphdef,
+    init_cache,
+    init_params,
+    param_count,
+)
+
+__all__ = [
+    "ForwardOut",
+    "KVCache",
+    "Transformer",
+    "forward",
+    "forward_jit",
+    "graphdef",
+    "init_cache",
+    "init_params",
+    "param_count",
+]

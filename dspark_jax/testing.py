@@ -1,0 +1,100 @@
+"""Tiny deterministic targets and helpers shared by every test and benchmark."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.config import RopeScaling, TargetConfig
+
+
+def tiny_target_config(architecture: str = "qwen3", **overrides) -> TargetConfig:
+    """A 4-layer, 64-wide target with GQA (4 q heads, 2 kv heads) and a 256-token vocab."""
+    base = dict(
+        architecture=architecture,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0 if architecture != "qwen3" else 1e6,
+        tie_word_embeddings=architecture == "qwen3",
+        max_position_embeddings=512,
+        target_layer_ids=(0, 1, 2),
+    )
+    if architecture == "llama":
+        base["rope_scaling"] = RopeScaling(
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
+    base.update(overrides)
+    return TargetConfig(**base)
+
+
+def small_target_config(**overrides) -> TargetConfig:
+    """A ~30M-parameter Qwen3 config used by benchmarks (8 layers, 512 wide, 32k vocab)."""
+    base = dict(
+        architecture="qwen3",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        target_layer_ids=(1, 3, 5),
+    )
+    base.update(overrides)
+    return TargetConfig(**base)
+
+
+def random_tokens(seed: int, shape, vocab: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, size=shape), jnp.int32)
+
+
+def positions_like(tokens_BxT, start=0) -> jax.Array:
+    b, t = tokens_BxT.shape
+    start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
+    return start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
+class CompileCounter:
+    """Counts XLA compilations of jitted functions while active (a retrace guard for tests).
+
+    with CompileCounter() as cc: ...; assert cc.count == 0
+    """
+
+    def __init__(self):
+        self.count = 0
+        self.names: list[str] = []
+
+    def _listener(self, event, *args, **kwargs):
+        if event == "/jax/compilation_cache/compile_requests_use_cache" or (
+            "backend_compile" in event
+        ):
+            self.count += 1
+            self.names.append(event)
+
+    def __enter__(self):
+        from jax import monitoring
+
+        self._cb = lambda event, *a, **k: self._listener(event, *a, **k)
+        monitoring.register_event_duration_secs_listener(self._cb)
+        return self
+
+    def __exit__(self, *exc):
+        from jax._src import monitoring as m
+
+        try:
+            m._unregister_event_duration_listener_by_callback(self._cb)
+        except Exception:  # older/newer jax: listener list differs
+            pass
+        return False
