@@ -1,0 +1,170 @@
+"""Configuration of the end-to-end pipeline behind `train.py` (one frozen dataclass per stage).
+
+A preset in `configs/` returns a `PipelineConfig`; `--set key.sub=value` overrides any field
+through `apply_overrides`, which rejects unknown keys and values that do not parse as the
+field's type.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import typing
+from typing import Any
+
+from dspark_jax.config import ConfigError, TargetConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusStage:
+    """Embedded corpus (stdlib code, pydoc prose, generated math) or user files."""
+
+    seed: int = 0
+    n_math: int = 3000
+    max_code_files: int = 400
+    max_answer_chars: int = 480
+    # User data instead of the embedded corpus: conversation JSONL files (training) and
+    # DeepSpec-format prompt files ({"turns": [...]}) per evaluation dataset.
+    conversation_files: tuple[str, ...] = ()
+    eval_prompt_files: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerStage:
+    vocab_size: int = 2048
+    path: str = ""  # an existing HF tokenizer directory (skips training)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetStage:
+    """The target LM: trained here (embedded demo) or loaded from `path` (HF checkpoint dir)."""
+
+    path: str = ""
+    model: TargetConfig = TargetConfig()
+    steps: int = 1500
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 3e-3
+    warmup_frac: float = 0.05
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RegenerateStage:
+    """The target answers every training prompt itself (REFERENCE §1.2)."""
+
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 20
+    max_new_tokens: int = 160
+    max_prompts: int = 2000
+    batch_size: int = 32
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterStage:
+    kinds: tuple[str, ...] = ("dspark", "dflash", "eagle3")
+    block_size: int = 7
+    num_layers: int = 1
+    markov_rank: int = 64
+    markov_head_type: str = "vanilla"
+    num_anchors: int = 64
+    steps: int = 600
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 3e-3
+    eval_every: int = 200
+    seed: int = 42
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrateStage:
+    max_prompts: int = 60
+    max_new_tokens: int = 96
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalStage:
+    max_prompts_per_dataset: int = 30
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    seed: int = 980406
+    speed_prompts: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    name: str = "tiny"
+    run_dir: str = "runs/tiny"
+    corpus: CorpusStage = CorpusStage()
+    tokenizer: TokenizerStage = TokenizerStage()
+    target: TargetStage = TargetStage()
+    regenerate: RegenerateStage = RegenerateStage()
+    drafters: DrafterStage = DrafterStage()
+    calibrate: CalibrateStage = CalibrateStage()
+    evaluate: EvalStage = EvalStage()
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _parse(value: str, typ, key: str):
+    origin = typing.get_origin(typ)
+    if typ is str:
+        return value
+    if typ is bool:
+        if value.lower() in ("1", "true", "yes"):
+            return True
+        if value.lower() in ("0", "false", "no"):
+            return False
+        raise ConfigError(f"--set {key}={value!r}: expected true/false")
+    try:
+        lit = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        lit = value
+    if typ is int and isinstance(lit, int) and not isinstance(lit, bool):
+        return lit
+    if typ is float and isinstance(lit, (int, float)) and not isinstance(lit, bool):
+        return float(lit)
+    if origin is tuple:
+        if isinstance(lit, str):
+            lit = tuple(s for s in lit.split(",") if s)
+        if isinstance(lit, (list, tuple)):
+            return tuple(lit)
+    raise ConfigError(f"--set {key}={value!r}: cannot parse as {typ}")
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    """Apply `a.b.c=value` strings to a nested frozen dataclass; unknown keys are errors."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        cfg = _set_path(cfg, key.strip().split("."), value.strip(), key)
+    return cfg
+
+
+def _set_path(obj, parts: list[str], value: str, key: str):
+    hints = typing.get_type_hints(type(obj))
+    fields = {f.name for f in dataclasses.fields(obj)}
+    head = parts[0]
+    if head not in fields:
+        raise ConfigError(
+            f"unknown config key {key!r}: {type(obj).__name__} has no field {head!r} "
+            f"(fields: {sorted(fields)})"
+        )
+    cur = getattr(obj, head)
+    if len(parts) == 1:
+        if dataclasses.is_dataclass(cur):
+            raise ConfigError(f"{key!r} is a section; set one of its fields, e.g. {key}.<field>")
+        typ = hints[head]
+        if typing.get_origin(typ) in (typing.Union, getattr(__import__("types"), "UnionType")):
+            args = [a for a in typing.get_args(typ) if a is not type(None)]
+            typ = args[0]
+        new = _parse(value, typ, key)
+    else:
+        if not dataclasses.is_dataclass(cur):
+            raise ConfigError(f"{key!r}: {head!r} is not a section")
+        new = _set_path(cur, parts[1:], value, key)
+    return dataclasses.replace(obj, **{head: new})
