@@ -67,34 +67,41 @@ def positions_like(tokens_BxT, start=0) -> jax.Array:
 
 
 class CompileCounter:
-    """Counts XLA compilations of jitted functions while active (a retrace guard for tests).
+    """Counts XLA compilations (and jaxpr traces) while active: the retrace guard for tests.
 
-    with CompileCounter() as cc: ...; assert cc.count == 0
+        with CompileCounter() as cc: ...
+        assert cc.count == 0, cc.names
+
+    `count` is the number of backend compilations (`/jax/core/compile/backend_compile_duration`
+    events); `traces` the number of jaxpr traces, which also catches a retrace whose compilation
+    is served by a persistent compilation cache. Eager jnp ops on new shapes compile too, so keep
+    host-side array building in numpy inside the guarded block.
     """
+
+    _COMPILE = "/jax/core/compile/backend_compile_duration"
+    _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 
     def __init__(self):
         self.count = 0
+        self.traces = 0
         self.names: list[str] = []
 
-    def _listener(self, event, *args, **kwargs):
-        if event == "/jax/compilation_cache/compile_requests_use_cache" or (
-            "backend_compile" in event
-        ):
+    def _listener(self, event, duration_secs=None, **kwargs):
+        if event == self._COMPILE:
             self.count += 1
-            self.names.append(event)
+            self.names.append(str(kwargs.get("fun_name", event)))
+        elif event == self._TRACE:
+            self.traces += 1
 
     def __enter__(self):
         from jax import monitoring
 
-        self._cb = lambda event, *a, **k: self._listener(event, *a, **k)
+        self._cb = self._listener
         monitoring.register_event_duration_secs_listener(self._cb)
         return self
 
     def __exit__(self, *exc):
         from jax._src import monitoring as m
 
-        try:
-            m._unregister_event_duration_listener_by_callback(self._cb)
-        except Exception:  # older/newer jax: listener list differs
-            pass
+        m.unregister_event_duration_listener(self._cb)
         return False
