@@ -1,0 +1,453 @@
+"""Hugging Face checkpoints: load Qwen3 / Qwen2 / Llama safetensors into our params, save ours back.
+
+    cfg, params = load_target("/ckpt/Qwen3-4B", dtype="bfloat16", mesh=mesh)
+    tok = load_tokenizer("/ckpt/Qwen3-4B", cfg)
+    save_target_hf(cfg, params, "/out/my-target")  # transformers can load it too
+
+Name mapping (HF stores Linear weights [out, in]; our kernels are [in, out], so kernels are
+transposed on the way in and out; embeddings and norms are not):
+
+    model.embed_tokens.weight                         embed_tokens              [V, H]
+    model.layers.N.self_attn.{q,k,v,o}_proj.weight    layers.N.self_attn.*.kernel
+    model.layers.N.self_attn.{q,k,v}_proj.bias        layers.N.self_attn.*.bias   (qwen2)
+    model.layers.N.self_attn.{q,k}_norm.weight        layers.N.self_attn.*.weight (qwen3)
+    model.layers.N.mlp.{gate,up,down}_proj.weight     layers.N.mlp.*.kernel
+    model.layers.N.{input,post_attention}_layernorm.weight
+    model.norm.weight                                 norm.weight
+    lm_head.weight                                    lm_head.kernel   (absent when tied)
+
+Every check (files, architecture, tensor names, shapes, dtypes) runs on the config and the
+safetensors headers before a single weight is read; a failure raises `CheckpointError` naming
+the problem and the fix. torch is never imported; transformers only for the tokenizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from dspark_jax.config import ConfigError, TargetConfig
+from dspark_jax.models.transformer import Transformer
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Buffers some older checkpoints carry; recomputed by us, never loaded.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_NP_DTYPE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+_HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+_LAYER_IDS_KEY = "dspark_target_layer_ids"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or tokenizer) we cannot load; the message says what is wrong and the fix."""
+
+
+# ------------------------------------------------------------------------------------------------
+# names and expected shapes
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+    """(Hugging Face tensor name, transposed?) for one of our flat parameter paths."""
+    parts = [str(p) for p in path]
+    if parts == ["embed_tokens"]:
+        return "model.embed_tokens.weight", False
+    transpose = parts[-1] == "kernel"
+    if transpose:
+        parts[-1] = "weight"
+    if parts[0] == "lm_head":
+        return "lm_head.weight", transpose
+    return "model." + ".".join(parts), transpose
+
+
+def _abstract_state(cfg: TargetConfig) -> nnx.State:
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[1]
+
+
+def expected_tensors(cfg: TargetConfig) -> dict[str, tuple[tuple, tuple[int, ...], bool]]:
+    """HF name -> (our path, HF shape, transposed?) for every tensor `cfg` needs."""
+    out = {}
+    for path, var in nnx.to_flat_state(_abstract_state(cfg)):
+        name, transpose = hf_name(path)
+        shape = tuple(var.get_value().shape)
+        out[name] = (path, shape[::-1] if transpose else shape, transpose)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# reading: config, files, headers
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed `config.json` of a checkpoint directory (CheckpointError if absent/invalid)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory {path!r} does not exist")
+    f = os.path.join(path, "config.json")
+    if not os.path.isfile(f):
+        raise CheckpointError(
+            f"missing file: no config.json in {path!r}; a Hugging Face checkpoint directory needs "
+            "config.json next to its safetensors"
+        )
+    try:
+        with open(f) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f} is not valid JSON: {e}") from e
+
+
+def config_from_hf(
+    hf: Mapping[str, Any],
+    *,
+    dtype: str = "float32",
+    target_layer_ids: tuple[int, ...] | None = None,
+) -> TargetConfig:
+    """`TargetConfig.from_hf` plus the checks for features our decoder does not implement."""
+    hf = dict(hf)
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU MLP) is")
+    if hf.get("mlp_bias"):
+        raise CheckpointError("unsupported mlp_bias=true; our MLP has no biases")
+    mt = hf.get("model_type")
+    archs = hf.get("architectures") or []
+    if hf.get("attention_bias") and mt != "qwen2" and "Qwen2ForCausalLM" not in archs:
+        raise CheckpointError(
+            f"unsupported attention_bias=true for {archs or mt}; only Qwen2 has q/k/v biases"
+        )
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+        raise CheckpointError("sliding-window attention layers are not supported")
+    if target_layer_ids is None and hf.get(_LAYER_IDS_KEY) is not None:
+        target_layer_ids = tuple(hf[_LAYER_IDS_KEY])
+    try:
+        return TargetConfig.from_hf(hf, target_layer_ids=target_layer_ids, dtype=dtype)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from e
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from e
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """HF tensor name -> file path, from model.safetensors or the sharded index."""
+    single = os.path.join(path, SAFETENSORS)
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.isfile(single):
+        with safe_open(single, "numpy") as f:
+            return {k: single for k in f.keys()}
+    if not os.path.isfile(index):
+        present = sorted(os.listdir(path))
+        hint = (
+            " (found PyTorch .bin weights: re-save with save_pretrained(safe_serialization=True))"
+            if any(p.endswith(".bin") for p in present)
+            else ""
+        )
+        raise CheckpointError(
+            f"missing files: neither {SAFETENSORS} nor {SAFETENSORS_INDEX} in {path!r}{hint}"
+        )
+    with open(index) as fh:
+        try:
+            weight_map = json.load(fh)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index (no weight_map)") from e
+    missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(path, f))})
+    if missing:
+        raise CheckpointError(
+            f"missing files: shard(s) {missing} listed in {SAFETENSORS_INDEX} are not in {path!r}"
+        )
+    files = {}
+    for shard in sorted(set(weight_map.values())):
+        full = os.path.join(path, shard)
+        with safe_open(full, "numpy") as f:
+            keys = set(f.keys())
+        absent = sorted(k for k, s in weight_map.items() if s == shard and k not in keys)
+        if absent:
+            raise CheckpointError(
+                f"{SAFETENSORS_INDEX} places {absent[:5]} in {shard}, which does not hold them"
+            )
+        files.update({k: full for k in keys})
+    return files
+
+
+def _headers(files: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HF tensor name -> (shape, safetensors dtype) read from the headers only."""
+    by_file: dict[str, list[str]] = {}
+    for name, f in files.items():
+        by_file.setdefault(f, []).append(name)
+    out = {}
+    for f, names in by_file.items():
+        with safe_open(f, "numpy") as fh:
+            for n in names:
+                s = fh.get_slice(n)
+                out[n] = (tuple(s.get_shape()), s.get_dtype())
+    return out
+
+
+def _check_tensors(cfg: TargetConfig, headers, path: str) -> dict:
+    expected = expected_tensors(cfg)
+    present = {n for n in headers if not n.endswith(_IGNORED_SUFFIXES)}
+    if cfg.tie_word_embeddings:
+        present.discard("lm_head.weight")  # tied: HF ignores a stored head too
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected))
+    if missing:
+        hint = ""
+        if missing == ["lm_head.weight"]:
+            hint = "; config.json says tie_word_embeddings=false but the checkpoint has no head"
+        raise CheckpointError(
+            f"missing tensors in {path!r}: {len(missing)} of {len(expected)} expected for a "
+            f"{cfg.architecture} model are absent, e.g. {missing[:5]}{hint}"
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"unexpected tensors in {path!r} that a {cfg.architecture} model does not have: "
+            f"{len(unexpected)}, e.g. {unexpected[:5]}; is config.json for this checkpoint?"
+        )
+    for name, (_, shape, _) in expected.items():
+        got, dt = headers[name]
+        if got != shape:
+            raise CheckpointError(
+                f"shape mismatch for {name}: config.json implies {shape}, checkpoint has {got}"
+            )
+        if dt not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{name} has dtype {dt}; only float tensors can be loaded")
+    return expected
+
+
+def check_checkpoint(
+    path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    target_layer_ids: tuple[int, ...] | None = None,
+) -> TargetConfig:
+    """Validate a checkpoint directory without reading weights; returns its TargetConfig."""
+    path = os.fspath(path)
+    cfg = config_from_hf(read_hf_config(path), dtype=dtype, target_layer_ids=target_layer_ids)
+    _check_tensors(cfg, _headers(_weight_files(path)), path)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# loading
+
+
+def load_target(
+    path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    mesh: jax.sharding.Mesh | None = None,
+    target_layer_ids: tuple[int, ...] | None = None,
+) -> tuple[TargetConfig, nnx.State]:
+    """Load a Hugging Face Qwen3 / Qwen2 / Llama checkpoint as (cfg, params).
+
+    Reads `config.json` and `model.safetensors` or the shards named by
+    `model.safetensors.index.json`. Weights are cast to `dtype` ("float32" or "bfloat16"),
+    which also becomes `cfg.dtype`. With a `mesh`, every parameter is created directly with the
+    sharding of `parallel.param_shardings` (each device reads only its slice from the file);
+    without one, it lands on the default device. `target_layer_ids` default to the ids saved by
+    `save_target_hf`, else to `config.default_target_layer_ids`.
+
+    Raises CheckpointError before reading any weight if the directory, the architecture, the
+    tensor names, shapes or dtypes do not fit.
+    """
+    path = os.fspath(path)
+    if dtype not in _NP_DTYPE:
+        raise CheckpointError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    cfg = config_from_hf(read_hf_config(path), dtype=dtype, target_layer_ids=target_layer_ids)
+    files = _weight_files(path)
+    expected = _check_tensors(cfg, _headers(files), path)
+    abstract = _abstract_state(cfg)
+    np_dtype = _NP_DTYPE[dtype]
+    shardings = None
+    if mesh is not None:
+        from dspark_jax.parallel import param_shardings
+
+        shardings = dict(nnx.to_flat_state(param_shardings(abstract, mesh)))
+
+    by_path = {p: (name, t) for name, (p, _, t) in expected.items()}
+    loaded = []
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, "numpy")) for f in set(files.values())}
+        for p, var in nnx.to_flat_state(abstract):
+            name, transpose = by_path[p]
+            sl = handles[files[name]].get_slice(name)
+            shape = tuple(var.get_value().shape)
+
+            def read(index, sl=sl, transpose=transpose, shape=shape):
+                index = _normalize_index(index, len(shape))
+                block = sl[index[::-1]] if transpose else sl[index]
+                block = np.asarray(block)
+                return np.ascontiguousarray(block.T if transpose else block).astype(np_dtype)
+
+            if shardings is None:
+                arr = jnp.asarray(read(tuple(slice(None) for _ in shape)))
+            else:
+                arr = jax.make_array_from_callback(shape, shardings[p].get_value(), read)
+            loaded.append((p, var.replace(arr)))
+    return cfg, nnx.from_flat_state(loaded)
+
+
+def _normalize_index(index, ndim: int) -> tuple[slice, ...]:
+    index = tuple(index) + (slice(None),) * (ndim - len(tuple(index)))
+    return tuple(slice(s.start, s.stop) if isinstance(s, slice) else s for s in index)
+
+
+# ------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike, cfg: TargetConfig | None = None):
+    """`transformers.AutoTokenizer` from the checkpoint directory, offline (no hub access).
+
+    With `cfg`, checks that every token id the tokenizer can emit (`len(tokenizer)`, including
+    added special tokens) indexes a row of the model's embedding; a larger tokenizer raises
+    CheckpointError (a smaller one is normal: models pad their vocabulary).
+    """
+    path = os.fspath(path)
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, n)) for n in names):
+        raise CheckpointError(
+            f"missing files: no tokenizer in {path!r} (expected one of {list(names)}); save one "
+            "with tokenizer.save_pretrained(path)"
+        )
+    from transformers import AutoTokenizer  # lazy: only the tokenizer needs transformers
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many types; report them as one
+        raise CheckpointError(f"could not load the tokenizer in {path!r}: {e}") from e
+    if cfg is not None:
+        check_tokenizer_fits(tok, cfg)
+    return tok
+
+
+def check_tokenizer_fits(tokenizer, cfg: TargetConfig) -> None:
+    """CheckpointError if the tokenizer can emit ids >= the model's embedding rows."""
+    n = len(tokenizer)
+    if n > cfg.vocab_size:
+        raise CheckpointError(
+            f"tokenizer vocabulary ({n} tokens incl. added ones) is larger than the model's "
+            f"embedding rows (vocab_size={cfg.vocab_size}); ids >= {cfg.vocab_size} would index "
+            "past the embedding: use the tokenizer that belongs to this checkpoint"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# saving
+
+
+def hf_config_dict(cfg: TargetConfig, dtype: str | None = None) -> dict[str, Any]:
+    """The Hugging Face `config.json` for `cfg` (transformers 5 layout, `rope_parameters`)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope.update(
+            rope_type="llama3",
+            factor=s.factor,
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_position_embeddings,
+        )
+    d: dict[str, Any] = {
+        "architectures": [_HF_CLASS[cfg.architecture]],
+        "model_type": cfg.architecture,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.qkv_bias,
+        "attention_dropout": 0.0,
+        "dtype": dtype or cfg.dtype,
+        _LAYER_IDS_KEY: list(cfg.target_layer_ids),
+    }
+    if cfg.architecture == "llama":
+        d["mlp_bias"] = False
+    else:
+        d["use_sliding_window"] = False
+    return d
+
+
+def _to_host(x) -> np.ndarray:
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_target_hf(
+    cfg: TargetConfig,
+    params: nnx.State,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    tokenizer=None,
+) -> str:
+    """Write `cfg` and `params` as a Hugging Face checkpoint: config.json + model.safetensors.
+
+    The result loads with `load_target` and with transformers' `AutoModelForCausalLM`. Tensors
+    are stored in `dtype` (default `cfg.dtype`); a tied model stores no `lm_head.weight`. Files
+    are written to temporaries and renamed, so an interrupted save leaves no half-written file.
+    In a multi-process run every process must call this; only process 0 writes. Returns out_dir.
+    """
+    out_dir = os.fspath(out_dir)
+    dtype = dtype or cfg.dtype
+    if dtype not in _NP_DTYPE:
+        raise CheckpointError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    expected = {p: name for name, (p, _, _) in expected_tensors(cfg).items()}
+    flat = dict(nnx.to_flat_state(params))
+    missing = sorted(expected[p] for p in set(expected) - set(flat))
+    unexpected = sorted(str(p) for p in set(flat) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"params do not match cfg: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    tensors = {}
+    for p, var in flat.items():
+        name, transpose = hf_name(p)
+        a = _to_host(var.get_value())
+        tensors[name] = np.ascontiguousarray(a.T if transpose else a).astype(_NP_DTYPE[dtype])
+    if jax.process_index() != 0:
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    _atomic(out_dir, SAFETENSORS, lambda f: save_file(tensors, f, metadata={"format": "pt"}))
+    text = json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n"
+    _atomic(out_dir, "config.json", lambda f: _write_text(f, text))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def _atomic(out_dir: str, name: str, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, os.path.join(out_dir, name))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
