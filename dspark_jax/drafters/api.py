@@ -1,0 +1,144 @@
+"""The drafter interface, dispatched on the static `DrafterConfig.kind` (see the package doc)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import ConfigError, DrafterConfig
+from dspark_jax.drafters.common import DrafterParams, FrozenParam, Proposal
+from dspark_jax.drafters.dflash import (
+    BlockContext,
+    BlockDrafter,
+    extend_block_context,
+    init_block_context,
+)
+from dspark_jax.drafters.dspark import propose_block
+from dspark_jax.drafters.eagle3 import (
+    Eagle3Context,
+    Eagle3Drafter,
+    extend_eagle3_context,
+    init_eagle3_context,
+    propose_eagle3,
+)
+
+
+def _module_cls(cfg: DrafterConfig):
+    return Eagle3Drafter if cfg.kind == "eagle3" else BlockDrafter
+
+
+@functools.lru_cache(maxsize=64)
+def graphdef(cfg: DrafterConfig):
+    """The static NNX graph definition for `cfg` (no parameters allocated)."""
+    abstract = nnx.eval_shape(lambda: _module_cls(cfg)(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract, nnx.Param, FrozenParam)[0]
+
+
+def init_params(
+    cfg: DrafterConfig, seed: int | None = None, target_params: nnx.State | None = None
+) -> DrafterParams:
+    """Random trainable parameters (HF init: N(0, 0.02) weights, zero biases, unit norms).
+
+    With `target_params` (the target's `nnx.State`), `frozen` holds copies of the target's
+    embedding and LM head (`frozen_from_target`); otherwise they are random (tests only).
+    """
+    seed = cfg.seed if seed is None else seed
+    module = _module_cls(cfg)(cfg, rngs=nnx.Rngs(seed))
+    _, trainable, frozen = nnx.split(module, nnx.Param, FrozenParam)
+    if target_params is not None:
+        frozen = frozen_from_target(cfg, target_params)
+    return DrafterParams(trainable, frozen)
+
+
+def frozen_from_target(cfg: DrafterConfig, target_params: nnx.State) -> nnx.State:
+    """The drafter's frozen state from the target's parameters: embed_tokens [V, H] and lm_head
+    [H, V] (the target's untied head, or its embedding transposed when tied)."""
+    tcfg = cfg.target
+    emb = jnp.asarray(target_params["embed_tokens"][...])
+    if emb.shape != (tcfg.vocab_size, tcfg.hidden_size):
+        raise ConfigError(
+            f"target embedding has shape {emb.shape}, the drafter expects "
+            f"{(tcfg.vocab_size, tcfg.hidden_size)}: the drafter config must copy its target's"
+        )
+    if tcfg.tie_word_embeddings or "lm_head" not in target_params:
+        head = emb.T
+    else:
+        head = jnp.asarray(target_params["lm_head"]["kernel"][...])
+    dt = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    _, _, frozen = nnx.split(
+        nnx.eval_shape(lambda: _module_cls(cfg)(cfg, rngs=nnx.Rngs(0))), nnx.Param, FrozenParam
+    )
+    frozen["embed_tokens"] = frozen["embed_tokens"].replace(emb.astype(dt))
+    frozen["lm_head"] = frozen["lm_head"].replace(head.astype(dt))
+    return frozen
+
+
+def build(cfg: DrafterConfig, params: DrafterParams):
+    """The NNX module for `params` (inside jit: a pure merge)."""
+    return nnx.merge(graphdef(cfg), params.trainable, params.frozen)
+
+
+def init_context(cfg: DrafterConfig, batch: int, max_len: int) -> BlockContext | Eagle3Context:
+    """An empty drafter context (own KV cache of `max_len` positions) for `batch` requests."""
+    if cfg.kind == "eagle3":
+        return init_eagle3_context(cfg, batch, max_len)
+    return init_block_context(cfg, batch, max_len)
+
+
+def extend_context(
+    cfg: DrafterConfig, params: DrafterParams, ctx, features_BxTxF, next_tokens_BxT, num_new_B
+):
+    """Append the target features of committed positions ctx.lengths + t, t < num_new[b].
+
+    Static: cfg and shapes. Arrays: params, ctx, features [B, T, m·H], next_tokens [B, T]
+    (the committed token following each featured position; read by Eagle3 only), num_new [B].
+    """
+    model = build(cfg, params)
+    num_new_B = jnp.asarray(num_new_B, jnp.int32)
+    if cfg.kind == "eagle3":
+        return extend_eagle3_context(model, ctx, features_BxTxF, next_tokens_BxT, num_new_B)
+    return extend_block_context(model, ctx, features_BxTxF, num_new_B)
+
+
+def prefill_context(
+    cfg: DrafterConfig,
+    params: DrafterParams,
+    features_BxTxF,
+    next_tokens_BxT,
+    lengths_B,
+    max_len: int,
+):
+    """`extend_context` on an empty context: prompt features at positions 0..lengths[b]−1,
+    next_tokens = prompt[1:] followed by the first sampled token."""
+    ctx = init_context(cfg, features_BxTxF.shape[0], max_len)
+    return extend_context(cfg, params, ctx, features_BxTxF, next_tokens_BxT, lengths_B)
+
+
+def propose(
+    cfg: DrafterConfig,
+    params: DrafterParams,
+    ctx,
+    anchor_B,
+    key,
+    seeds_B,
+    sampling=None,
+    greedy: bool = False,
+) -> Proposal:
+    """Draft γ tokens per request (see the package doc for keys and positions).
+
+    Static: cfg, greedy. Arrays: params, ctx, anchor [B] (the token at position ctx.lengths;
+    Eagle3 already consumed it in `extend_context`), key, seeds [B], sampling (per-row knobs).
+    """
+    model = build(cfg, params)
+    if cfg.kind == "eagle3":
+        return propose_eagle3(model, ctx, key, seeds_B, sampling, greedy)
+    return propose_block(
+        model, ctx, jnp.asarray(anchor_B, jnp.int32), key, seeds_B, sampling, greedy
+    )
+
+
+propose_jit = jax.jit(propose, static_argnames=("cfg", "greedy"))
+extend_context_jit = jax.jit(extend_context, static_argnames=("cfg",), donate_argnames=("ctx",))

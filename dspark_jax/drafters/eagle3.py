@@ -1,0 +1,293 @@
+"""Eagle3 baseline (REFERENCE §5): one decoder layer over fused target features, trained with
+the training-time test (TTT) over γ steps, run autoregressively at inference.
+
+Layer (pre-norm residual stream g [.., H]):
+  x = [input_layernorm(emb(token)); hidden_norm(g)]  [.., 2H]   (embedding first)
+  g = g + o_proj(attn(q, k, v from x));  g = g + mlp(post_attention_layernorm(g))
+  logits = lm_head(norm(g))  (own trainable final norm)
+Pairing: the target feature at position t goes with the embedding of x_{t+1}, RoPE position t,
+and predicts x_{t+2}. Step 0's hidden is fc(F_t); step k's is step k−1's output g.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import DrafterConfig
+from dspark_jax.drafters.common import (
+    FrozenParam,
+    Proposal,
+    draft_keys,
+    dtype_of,
+    embed,
+    joint_softmax,
+    lm_logits,
+    normal_init,
+    project_kv,
+    project_q,
+    sample_rows,
+    sampling_probs,
+)
+from dspark_jax.models.transformer import MLP, Linear, RMSNorm
+
+
+class Eagle3Attention(nnx.Module):
+    """Attention whose q/k/v projections read the 2H-wide [emb; hidden] input."""
+
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
+        lc = cfg.layer_config
+        dt = dtype_of(cfg.dtype)
+        h2, nq, nkv, d = 2 * lc.hidden_size, lc.num_heads, lc.num_kv_heads, lc.head_dim
+        b = lc.qkv_bias
+        self.q_proj = Linear(h2, nq * d, rngs=rngs, dtype=dt, logical=("embed", "heads"), bias=b)
+        self.k_proj = Linear(h2, nkv * d, rngs=rngs, dtype=dt, logical=("embed", "kv"), bias=b)
+        self.v_proj = Linear(h2, nkv * d, rngs=rngs, dtype=dt, logical=("embed", "kv"), bias=b)
+        self.o_proj = Linear(
+            nq * d, lc.hidden_size, rngs=rngs, dtype=dt, logical=("heads", "embed")
+        )
+        if lc.qk_norm:
+            self.q_norm = RMSNorm(d, lc.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(d, lc.rms_norm_eps, dt)
+        else:
+            self.q_norm = self.k_norm = None
+        self.cfg = lc
+
+
+class Eagle3Layer(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
+        lc = cfg.layer_config
+        dt = dtype_of(cfg.dtype)
+        h, eps = lc.hidden_size, lc.rms_norm_eps
+        self.hidden_norm = RMSNorm(h, eps, dt)
+        self.input_layernorm = RMSNorm(h, eps, dt)
+        self.self_attn = Eagle3Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(h, eps, dt)
+        self.mlp = MLP(lc, rngs=rngs)
+
+    def inputs(self, emb, g):
+        """[input_layernorm(emb); hidden_norm(g)] [.., 2H]."""
+        return jnp.concatenate([self.input_layernorm(emb), self.hidden_norm(g)], -1)
+
+    def finish(self, g, attn_out):
+        g = g + self.self_attn.o_proj(attn_out)
+        return g + self.mlp(self.post_attention_layernorm(g))
+
+
+class Eagle3Drafter(nnx.Module):
+    """HF names: embed_tokens, lm_head, fc, layers.0.{hidden_norm, input_layernorm, self_attn.*,
+    post_attention_layernorm, mlp.*}, norm."""
+
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
+        dt = dtype_of(cfg.dtype)
+        v, h = cfg.vocab_size, cfg.hidden_size
+        self.cfg = cfg
+        self.embed_tokens = FrozenParam(normal_init(rngs, (v, h), dt), logical=("vocab", "embed"))
+        self.lm_head = FrozenParam(normal_init(rngs, (h, v), dt), logical=("embed", "vocab"))
+        self.fc = Linear(cfg.feature_size, h, rngs=rngs, dtype=dt, logical=(None, "embed"))
+        self.layers = nnx.List([Eagle3Layer(cfg, rngs=rngs)])
+        self.norm = RMSNorm(h, cfg.layer_config.rms_norm_eps, dt)
+
+    def project(self, features):
+        return self.fc(features.astype(dtype_of(self.cfg.dtype)))
+
+    def logits(self, g):
+        """lm_head(norm(g)) [..., V] fp32."""
+        return lm_logits(self.lm_head[...], self.norm(g))
+
+
+def _shift_left(x_BxT, k: int):
+    """x[:, t + k], zero-filled past the end."""
+    if k == 0:
+        return x_BxT
+    return jnp.concatenate([x_BxT[:, k:], jnp.zeros_like(x_BxT[:, :k])], axis=1)
+
+
+def ttt_hidden(model: Eagle3Drafter, features_BxTxF, input_ids_BxT, valid_len_B):
+    """Training-time test (REFERENCE §5.2): per step k = 0..γ−1 the pre-norm output g^{k+1}
+    [γ, B, T, H].
+
+    Step k: token x_{t+k+1}, RoPE position t+k, hidden g^k (g^0 = fc(F)). Query t attends the
+    step-0 keys at positions ≤ t and its own position's keys of steps 1..k (the diagonal);
+    queries and step-0 keys at positions ≥ valid_len − k are masked (such rows output 0).
+    Gradients flow through every step, including through the earlier steps' K/V.
+    """
+    cfg = model.cfg
+    layer = model.layers[0]
+    attn = layer.self_attn
+    b, t = input_ids_BxT.shape
+    nkv, nq, d = attn.cfg.num_kv_heads, attn.cfg.num_heads, attn.cfg.head_dim
+    pos0 = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T(q), T(k)]
+    g = model.project(features_BxTxF)
+    k0 = v0 = None
+    diag_k, diag_v, outs = [], [], []
+    scale = 1.0 / math.sqrt(d)
+    for k in range(cfg.block_size):
+        x = layer.inputs(embed(model.embed_tokens[...], _shift_left(input_ids_BxT, k + 1)), g)
+        pos = pos0 + k
+        q = project_q(attn, x, pos).reshape(b, t, nkv, nq // nkv, d)
+        kk, vv = project_kv(attn, x, pos)
+        if k == 0:
+            k0, v0 = kk, vv
+        else:
+            diag_k.append(kk)
+            diag_v.append(vv)
+        limit = (valid_len_B - k)[:, None]  # [B, 1]
+        q_ok = jnp.arange(t)[None, :] < limit  # [B, T]
+        m0 = causal[None] & q_ok[:, :, None] & (jnp.arange(t)[None, None, :] < limit[:, :, None])
+        m0 = m0[:, :, None, None, :]  # [B, T, 1, 1, T]
+        s0 = jnp.einsum("btkrd,bskd->btkrs", q, k0, preferred_element_type=jnp.float32) * scale
+        if diag_k:
+            kd = jnp.stack(diag_k, axis=2)  # [B, T, J, n_kv, d]
+            vd = jnp.stack(diag_v, axis=2)
+            sd = jnp.einsum("btkrd,btjkd->btkrj", q, kd, preferred_element_type=jnp.float32)
+            p0, pd = joint_softmax([s0, sd * scale], [m0, q_ok[:, :, None, None, None]])
+            o = jnp.einsum("btkrj,btjkd->btkrd", pd.astype(vd.dtype), vd)
+        else:
+            (p0,) = joint_softmax([s0], [m0])
+            o = 0.0
+        o = o + jnp.einsum("btkrs,bskd->btkrd", p0.astype(v0.dtype), v0)
+        g = layer.finish(g, o.reshape(b, t, nq * d).astype(x.dtype))
+        outs.append(g)
+    return jnp.stack(outs)
+
+
+# ---------------------------------------------------------------------------------------------
+# inference (REFERENCE §5.3)
+
+
+class Eagle3Context(NamedTuple):
+    """The draft cache: K (k_norm + RoPE) and V [B, S, n_kv, d_h] of committed positions
+    < lengths [B], and g [B, H], the pre-norm output at the last committed position (it
+    predicts the first draft token)."""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+    g: jax.Array
+
+
+def init_eagle3_context(cfg: DrafterConfig, batch: int, max_len: int) -> Eagle3Context:
+    lc = cfg.layer_config
+    dt = dtype_of(cfg.dtype)
+    shape = (batch, max_len, lc.num_kv_heads, lc.head_dim)
+    return Eagle3Context(
+        jnp.zeros(shape, dt),
+        jnp.zeros(shape, dt),
+        jnp.zeros((batch,), jnp.int32),
+        jnp.zeros((batch, lc.hidden_size), dt),
+    )
+
+
+def _attend_cache_and_buffer(q_BxTxQxD, ck, cv, cache_mask_BxTxS, bk, bv, buf_mask_BxTxJ):
+    b, t, nq, d = q_BxTxQxD.shape
+    nkv = ck.shape[2]
+    q = q_BxTxQxD.reshape(b, t, nkv, nq // nkv, d)
+    scale = 1.0 / math.sqrt(d)
+    f32 = jnp.float32
+    s1 = jnp.einsum("btkrd,bskd->btkrs", q, ck.astype(q.dtype), preferred_element_type=f32)
+    s2 = jnp.einsum("btkrd,bjkd->btkrj", q, bk.astype(q.dtype), preferred_element_type=f32)
+    p1, p2 = joint_softmax(
+        [s1 * scale, s2 * scale],
+        [cache_mask_BxTxS[:, :, None, None, :], buf_mask_BxTxJ[:, :, None, None, :]],
+    )
+    o = jnp.einsum("btkrs,bskd->btkrd", p1.astype(q.dtype), cv.astype(q.dtype))
+    o = o + jnp.einsum("btkrj,bjkd->btkrd", p2.astype(q.dtype), bv.astype(q.dtype))
+    return o.reshape(b, t, nq * d)
+
+
+def extend_eagle3_context(
+    model: Eagle3Drafter, ctx: Eagle3Context, features_BxTxF, next_tokens_BxT, num_new_B
+):
+    """Append committed positions lengths + t (t < num_new[b]): feature t paired with
+    next_tokens[:, t] (the committed token at the following position), causal over the cache.
+    g becomes the output at the last new position (unchanged where num_new = 0)."""
+    layer = model.layers[0]
+    attn = layer.self_attn
+    b, t, _ = features_BxTxF.shape
+    s = ctx.k.shape[1]
+    offs = jnp.arange(t, dtype=jnp.int32)[None, :]
+    pos = ctx.lengths[:, None] + offs
+    valid = offs < num_new_B[:, None]
+    write = jnp.where(valid, pos, s)
+    g_in = model.project(features_BxTxF)
+    x = layer.inputs(embed(model.embed_tokens[...], next_tokens_BxT), g_in)
+    q = project_q(attn, x, pos)
+    kk, vv = project_kv(attn, x, pos)
+    rows = jnp.arange(b)[:, None]
+    ck = ctx.k.at[rows, write].set(kk.astype(ctx.k.dtype), mode="drop")
+    cv = ctx.v.at[rows, write].set(vv.astype(ctx.v.dtype), mode="drop")
+    cache_mask = jnp.arange(s)[None, None, :] <= pos[:, :, None]
+    empty = jnp.zeros((b, 0) + kk.shape[2:], kk.dtype)
+    a = _attend_cache_and_buffer(q, ck, cv, cache_mask, empty, empty, jnp.zeros((b, t, 0), bool))
+    g_out = layer.finish(g_in, a.astype(g_in.dtype))
+    last = jnp.clip(num_new_B - 1, 0, t - 1)
+    g_last = jnp.take_along_axis(g_out, last[:, None, None], axis=1)[:, 0]
+    g = jnp.where((num_new_B > 0)[:, None], g_last.astype(ctx.g.dtype), ctx.g)
+    return Eagle3Context(ck, cv, ctx.lengths + num_new_B.astype(jnp.int32), g)
+
+
+def propose_eagle3(
+    model: Eagle3Drafter,
+    ctx: Eagle3Context,
+    key,
+    seeds_B,
+    sampling=None,
+    greedy: bool = False,
+    forced_BxG=None,
+) -> Proposal:
+    """γ autoregressive draft steps from ctx.g (the anchor was paired with the last committed
+    feature by `extend_eagle3_context`). Draft step j ≥ 1 runs (g, token_{j−1}) at position
+    lengths + j − 1 with its K/V in a private buffer: the context cache is never written."""
+    cfg = model.cfg
+    layer = model.layers[0]
+    attn = layer.self_attn
+    gam = cfg.block_size
+    b = ctx.lengths.shape[0]
+    s = ctx.k.shape[1]
+    start = ctx.lengths
+    keys = draft_keys(key, seeds_B, start[:, None] + 1 + jnp.arange(gam, dtype=jnp.int32)[None])
+    forced = jnp.zeros((b, gam), jnp.int32) if forced_BxG is None else forced_BxG
+    cache_mask = (jnp.arange(s)[None, :] < start[:, None])[:, None, :]  # [B, 1, S]
+    nb = max(gam - 1, 1)
+    buf_k = jnp.zeros((b, nb, attn.cfg.num_kv_heads, attn.cfg.head_dim), ctx.k.dtype)
+    buf_v = jnp.zeros_like(buf_k)
+
+    def draw(g, key_k, forced_k):
+        probs = sampling_probs(model.logits(g), sampling, greedy)
+        if forced_BxG is not None:
+            tok = forced_k
+        elif greedy:
+            tok = jnp.argmax(probs, -1).astype(jnp.int32)
+        else:
+            tok = sample_rows(key_k, probs)
+        return tok, probs
+
+    tok0, p0 = draw(ctx.g, keys[:, 0], forced[:, 0])
+
+    def body(carry, xs):
+        g, tok, bk, bv = carry
+        j, key_k, forced_k = xs  # j = 1..γ−1
+        pos = (start + j - 1)[:, None]
+        x = layer.inputs(embed(model.embed_tokens[...], tok[:, None]), g[:, None])
+        q = project_q(attn, x, pos)
+        kk, vv = project_kv(attn, x, pos)
+        bk = jax.lax.dynamic_update_slice_in_dim(bk, kk.astype(bk.dtype), j - 1, axis=1)
+        bv = jax.lax.dynamic_update_slice_in_dim(bv, vv.astype(bv.dtype), j - 1, axis=1)
+        buf_mask = jnp.broadcast_to(jnp.arange(nb)[None, None, :] < j, (b, 1, nb))
+        a = _attend_cache_and_buffer(q, ctx.k, ctx.v, cache_mask, bk, bv, buf_mask)
+        g = layer.finish(g[:, None], a.astype(g.dtype))[:, 0]
+        tok, probs = draw(g, key_k, forced_k)
+        return (g, tok, bk, bv), (tok, probs)
+
+    js = jnp.arange(1, gam, dtype=jnp.int32)
+    xs = (js, jnp.moveaxis(keys[:, 1:], 1, 0), forced[:, 1:].T)
+    _, (toks, probs) = jax.lax.scan(body, (ctx.g, tok0, buf_k, buf_v), xs)
+    tokens = jnp.concatenate([tok0[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
+    probs = jnp.concatenate([p0[:, None], jnp.moveaxis(probs, 0, 1)], axis=1)
+    return Proposal(tokens, probs, None)
