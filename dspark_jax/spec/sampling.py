@@ -1,0 +1,300 @@
+"""Sampling transforms: logits -> the exact distribution a token is drawn from.
+
+One transform serves the target, the drafter and plain decoding, so target and draft
+distributions are always computed the same way (a condition for lossless speculative sampling).
+
+Order of operations (per row, as in Hugging Face / vLLM):
+
+1. temperature: ``z = logits / T``; a row with ``T == 0`` becomes a point mass on the argmax
+   (first index on ties), which makes greedy rows exact inside a sampled batch;
+2. top-k: keep tokens whose ``z`` is >= the k-th largest ``z`` (ties at the boundary are kept);
+3. top-p: on the renormalised top-k distribution, keep the smallest set of most likely tokens
+   whose mass reaches ``top_p`` (again every token tied with the last kept one is kept);
+4. min-p: keep tokens with ``p >= min_p * max(p)``;
+5. renormalise (softmax over the kept tokens).
+
+Static vs array: :class:`SamplingConfig` (hashable, a static jit argument) says which of these
+stages exist at all (``greedy``, ``top_k``, ``top_p``, ``min_p``); :class:`SamplingParams` holds the
+per-row values as ``[B]`` arrays, so changing a request's temperature or top-p never recompiles.
+``SamplingConfig(greedy=True)`` is a separate static mode (argmax, no softmax, no randomness).
+
+Validation happens here, at the API boundary, on the host: :func:`validate_sampling_params` and
+:func:`check_logits` raise ``ValueError`` with the fix in the message. Nothing inside a jitted
+function raises.
+
+Shapes are written as comments at definitions (``# [B, ..., V]``): the leading axis of logits is
+always the request axis ``B`` that the ``[B]`` parameters index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "SamplingConfig",
+    "SamplingParams",
+    "validate_sampling_params",
+    "check_logits",
+    "transform_logits",
+    "probs_from_logits",
+    "sample_from_probs",
+    "sample_from_logits",
+]
+
+
+class SamplingParams(NamedTuple):
+    """Per-request sampling knobs; every field is a ``[B]`` array (a pytree, never static).
+
+    Build it with :func:`validate_sampling_params`, which checks the values.
+    """
+
+    temperature: jax.Array  # [B] float32 >= 0; 0 = greedy row (point mass on the argmax)
+    top_k: jax.Array  # [B] int32 >= 0; 0 = off
+    top_p: jax.Array  # [B] float32 in (0, 1]; 1 = off
+    min_p: jax.Array  # [B] float32 in [0, 1]; 0 = off
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Static structure of sampling (hashable; pass as a static jit argument).
+
+    Attributes:
+      greedy: argmax mode. No randomness, no softmax; parameters are not read. Greedy verification
+        accepts a draft iff it equals the target argmax.
+      top_k / top_p / min_p: whether the stage exists. A stage that is off ignores the matching
+        ``SamplingParams`` field, so :meth:`for_params` turns a stage on whenever any row uses it
+        (``verify(..., validate=True)`` checks this).
+    """
+
+    greedy: bool = False
+    top_k: bool = False
+    top_p: bool = False
+    min_p: bool = False
+
+    def __post_init__(self):
+        if self.greedy and (self.top_k or self.top_p or self.min_p):
+            raise ValueError(
+                "SamplingConfig(greedy=True) takes the argmax; top_k/top_p/min_p filters do not "
+                "change it. Set them to False (or use greedy=False with temperature-0 rows)."
+            )
+
+    @classmethod
+    def for_params(cls, params: SamplingParams) -> SamplingConfig:
+        """The smallest config that honours every row of concrete ``params`` (host side).
+
+        All-greedy batches get the static greedy mode (identical results, cheaper); otherwise
+        temperature-0 rows are exact point masses inside the sampled mode.
+        """
+        temperature = np.asarray(params.temperature)
+        if temperature.size and np.all(temperature == 0):
+            return cls(greedy=True)
+        return cls(
+            greedy=False,
+            top_k=bool(np.any(np.asarray(params.top_k) > 0)),
+            top_p=bool(np.any(np.asarray(params.top_p) < 1)),
+            min_p=bool(np.any(np.asarray(params.min_p) > 0)),
+        )
+
+    def covers(self, params: SamplingParams) -> str | None:
+        """None if this config honours every row of concrete ``params``; otherwise why not."""
+        temperature = np.asarray(params.temperature)
+        if self.greedy:
+            if np.any(temperature != 0):
+                return (
+                    "SamplingConfig(greedy=True) but some rows have temperature > 0; use "
+                    "SamplingConfig.for_params(params) instead of silently decoding them greedily"
+                )
+            return None
+        for stage, values, off in (
+            ("top_k", np.asarray(params.top_k), lambda v: v == 0),
+            ("top_p", np.asarray(params.top_p), lambda v: v >= 1),
+            ("min_p", np.asarray(params.min_p), lambda v: v == 0),
+        ):
+            if not getattr(self, stage) and not np.all(off(values)):
+                return (
+                    f"some rows set {stage} but SamplingConfig({stage}=False) would ignore it; "
+                    "use SamplingConfig.for_params(params)"
+                )
+        return None
+
+
+def _as_rows(name: str, value, batch_size: int | None, dtype) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim > 1:
+        raise ValueError(f"{name} must be a scalar or a [B] array, got shape {arr.shape}")
+    if batch_size is not None:
+        if arr.ndim == 1 and arr.shape[0] != batch_size:
+            raise ValueError(f"{name} has {arr.shape[0]} rows but the batch has {batch_size}")
+        arr = np.broadcast_to(arr, (batch_size,))
+    return arr.astype(dtype, copy=False) if arr.dtype != object else arr
+
+
+def _bad_rows(mask: np.ndarray) -> str:
+    rows = np.flatnonzero(np.atleast_1d(mask))
+    more = "" if rows.size <= 8 else f" (+{rows.size - 8} more)"
+    return f"rows {rows[:8].tolist()}{more}"
+
+
+def validate_sampling_params(
+    temperature,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    *,
+    batch_size: int | None = None,
+) -> SamplingParams:
+    """Check per-request sampling knobs on the host and pack them as ``[B]`` arrays.
+
+    Args (scalars broadcast to ``[B]``; ``B`` is ``batch_size`` or the length of any array arg):
+      temperature: >= 0 and finite; 0 means greedy for that row.
+      top_k: integer >= 0; 0 = off.
+      top_p: in (0, 1]; 1 = off.
+      min_p: in [0, 1]; 0 = off.
+
+    Raises:
+      ValueError: naming the offending rows and the valid range. Call this when a request
+        arrives, never inside a jitted loop.
+    """
+    if batch_size is None:
+        sizes = {np.asarray(v).shape[0] for v in (temperature, top_k, top_p, min_p) if np.ndim(v)}
+        if len(sizes) > 1:
+            raise ValueError(f"sampling parameter arrays disagree on the batch size: {sizes}")
+        batch_size = sizes.pop() if sizes else 1
+    t = _as_rows("temperature", temperature, batch_size, np.float64)
+    k_raw = _as_rows("top_k", top_k, batch_size, np.float64)
+    p = _as_rows("top_p", top_p, batch_size, np.float64)
+    m = _as_rows("min_p", min_p, batch_size, np.float64)
+    if np.any(~np.isfinite(t) | (t < 0)):
+        raise ValueError(
+            f"temperature must be finite and >= 0 (0 = greedy); bad {_bad_rows(~np.isfinite(t) | (t < 0))}: "
+            f"{t[~np.isfinite(t) | (t < 0)][:8].tolist()}"
+        )
+    bad_k = ~np.isfinite(k_raw) | (k_raw < 0) | (k_raw != np.round(k_raw))
+    if np.any(bad_k):
+        raise ValueError(
+            f"top_k must be an integer >= 0 (0 = off); bad {_bad_rows(bad_k)}: "
+            f"{k_raw[bad_k][:8].tolist()}"
+        )
+    bad_p = ~np.isfinite(p) | (p <= 0) | (p > 1)
+    if np.any(bad_p):
+        raise ValueError(
+            f"top_p must be in (0, 1] (1 = off; use temperature=0 for greedy, not top_p=0); "
+            f"bad {_bad_rows(bad_p)}: {p[bad_p][:8].tolist()}"
+        )
+    bad_m = ~np.isfinite(m) | (m < 0) | (m > 1)
+    if np.any(bad_m):
+        raise ValueError(
+            f"min_p must be in [0, 1] (0 = off); bad {_bad_rows(bad_m)}: {m[bad_m][:8].tolist()}"
+        )
+    k = np.minimum(k_raw, np.iinfo(np.int32).max).astype(np.int32)
+    return SamplingParams(
+        temperature=jnp.asarray(t, jnp.float32),
+        top_k=jnp.asarray(k, jnp.int32),
+        top_p=jnp.asarray(p, jnp.float32),
+        min_p=jnp.asarray(m, jnp.float32),
+    )
+
+
+def check_logits(logits, name: str = "logits", valid=None) -> None:
+    """Raise ``ValueError`` if concrete ``logits`` contain NaN or +inf (where ``valid`` is True).
+
+    ``-inf`` is allowed (a token masked out of the vocabulary). ``valid`` (broadcastable to
+    ``logits.shape[:-1]``) restricts the check to positions that are read. This is a host-side
+    check: it synchronises with the device, so call it at the API boundary.
+    """
+    if isinstance(logits, jax.core.Tracer):
+        raise TypeError(f"check_logits({name}) needs concrete values; call it outside jit")
+    x = jnp.asarray(logits)
+    bad = jnp.any(jnp.isnan(x) | (x == jnp.inf), axis=-1)  # [...]
+    if valid is not None:
+        bad = bad & jnp.asarray(valid)
+    if bool(jnp.any(bad)):
+        where = np.argwhere(np.asarray(bad))[:4].tolist()
+        raise ValueError(
+            f"{name} contain NaN or +inf at (row, ...) positions {where}; the model produced "
+            "invalid logits (check the checkpoint dtype / overflow) - refusing to sample from them"
+        )
+
+
+def _rows(x: jax.Array, ndim: int) -> jax.Array:
+    """[B] -> [B, 1, ..., 1] so a per-request knob broadcasts over logits of rank ``ndim``."""
+    return x.reshape(x.shape + (1,) * (ndim - 1))
+
+
+def _point_mass_logits(x: jax.Array) -> jax.Array:
+    """0 at the argmax (first index on ties), -inf elsewhere."""
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)  # [..., V]
+    top = jnp.argmax(x, axis=-1)[..., None]  # [..., 1]
+    return jnp.where(vocab_ids == top, 0.0, -jnp.inf).astype(x.dtype)
+
+
+def transform_logits(
+    logits: jax.Array, params: SamplingParams | None, cfg: SamplingConfig
+) -> jax.Array:
+    """Logits of the exact sampling distribution: scaled, with removed tokens at ``-inf``.
+
+    Args:
+      logits: ``[B, ..., V]`` (any float dtype; computed in float32 or wider).
+      params: per-row knobs ``[B]`` (may be None in greedy mode).
+      cfg: static stage switches.
+
+    Returns:
+      ``[B, ..., V]`` float logits; ``softmax`` of them is the distribution tokens are drawn from.
+      Traceable; never raises (validate first).
+    """
+    x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # [B, ..., V]
+    if cfg.greedy:
+        return _point_mass_logits(x)
+    vocab = x.shape[-1]
+    temperature = _rows(params.temperature.astype(x.dtype), x.ndim)  # [B, 1.., 1]
+    greedy_row = temperature == 0
+    z = x / jnp.where(greedy_row, 1.0, temperature)  # [B, ..., V]
+    keep = jnp.ones(z.shape, bool)
+    if cfg.top_k or cfg.top_p:
+        z_sorted = -jnp.sort(-z, axis=-1)  # [B, ..., V] descending
+        if cfg.top_k:
+            k = _rows(params.top_k, x.ndim)
+            k = jnp.where(k <= 0, vocab, jnp.minimum(k, vocab))  # [B, 1.., 1]
+            kth = jnp.take_along_axis(z_sorted, jnp.broadcast_to(k - 1, z.shape[:-1] + (1,)), -1)
+            keep = keep & (z >= kth)
+            z_sorted = jnp.where(z_sorted >= kth, z_sorted, -jnp.inf)
+        if cfg.top_p:
+            p_sorted = jax.nn.softmax(z_sorted, axis=-1)  # [B, ..., V]
+            mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
+            top_p = _rows(params.top_p.astype(x.dtype), x.ndim)
+            n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # [B, ..., 1]
+            n_keep = jnp.clip(n_keep, 1, vocab)
+            last_kept = jnp.take_along_axis(z_sorted, n_keep - 1, axis=-1)  # [B, ..., 1]
+            keep = keep & ((top_p >= 1) | (z >= last_kept))
+    if cfg.min_p:
+        min_p = _rows(params.min_p.astype(x.dtype), x.ndim)
+        z_max = jnp.max(z, axis=-1, keepdims=True)
+        # p >= min_p * p_max  <=>  z >= z_max + log(min_p); log(0) = -inf keeps everything.
+        keep = keep & (z >= z_max + jnp.log(min_p))
+    out = jnp.where(keep, z, -jnp.inf)
+    return jnp.where(greedy_row, _point_mass_logits(x), out)
+
+
+def probs_from_logits(
+    logits: jax.Array, params: SamplingParams | None, cfg: SamplingConfig
+) -> jax.Array:
+    """``softmax(transform_logits(...))``: ``[B, ..., V]`` probabilities (float32 or wider)."""
+    return jax.nn.softmax(transform_logits(logits, params, cfg), axis=-1)
+
+
+def sample_from_logits(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """One token per row from ``softmax(logits)``; ``keys`` [B] (one key per row), logits [B, V].
+
+    Gumbel-max: a ``-inf`` logit is never drawn. Pass logits from :func:`transform_logits`.
+    """
+    return jax.vmap(lambda k, z: jax.random.categorical(k, z))(keys, logits).astype(jnp.int32)
+
+
+def sample_from_probs(keys: jax.Array, probs: jax.Array) -> jax.Array:
+    """One token per row from ``probs`` [B, V] (rows need not be normalised); keys [B]."""
+    return sample_from_logits(keys, jnp.log(probs))
