@@ -129,3 +129,19 @@ def test_sample_text_is_deterministic_and_covers_domains():
     a = sample_text(60_000)
     assert a == sample_text(60_000) and 30_000 < len(a) <= 60_000
     assert "The answer is" in a and "def " in a
+
+
+def test_loss_mask_covers_exactly_the_answers(small, tmp_path_factory):
+    from dspark_jax.train.data import RenderConfig, encode_conversations
+    from dspark_jax.train.tokenizer import tiny_tokenizer
+
+    tok = tiny_tokenizer(tmp_path_factory.getbasetemp() / "tok_cache")
+    train, _ = _read_all(small)
+    samples, stats = encode_conversations(tok, train, RenderConfig(min_loss_tokens=1))
+    assert stats.kept == len(train)
+    for conv, sample in zip(train, samples):
+        masked = tok.decode(sample.input_ids[sample.loss_mask == 1].tolist())
+        expected = "".join(
+            m.content + "<|im_end|>\n" for m in conv.messages if m.role == "assistant"
+        )
+        assert masked == expected, conv.id

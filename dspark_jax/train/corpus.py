@@ -44,7 +44,7 @@ from dspark_jax.train.data import (
     write_prompts,
 )
 
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2  # bump whenever generation changes: it is part of the cache key
 DOMAINS = ("code", "prose", "math")
 
 # Directories under the stdlib never used: tests, third-party packages, data-only or generated code.
@@ -245,7 +245,9 @@ def _continuation_chats(
         target = rng.randint(min(120, budget), budget)
         shown, nxt = _take_lines(lines, start, target)
         answer, _ = _take_lines(lines, nxt, cfg.max_chars_per_answer)
-        answer = answer.rstrip() + "\n"
+        # Leading blank lines would merge with the assistant header's newline into one BPE
+        # pre-token and blur the loss-mask boundary; the continuation starts at code instead.
+        answer = re.sub(r"\A(?:[ \t]*\n)+", "", answer).rstrip() + "\n"
         if not shown.strip() or len(answer.strip()) < cfg.min_answer_chars:
             continue
         yield header + shown, answer
