@@ -37,12 +37,6 @@ Inference (pure, jit-able; `cfg` and `greedy` static, everything else arrays):
 
 from __future__ import annotations
 
-from dspark_jax.drafters.common import (
-    DRAFT_STREAM,
-    DrafterParams,
-    FrozenParam,
-    Proposal,
-)
 from dspark_jax.drafters.api import (
     build,
     extend_context,
@@ -52,6 +46,12 @@ from dspark_jax.drafters.api import (
     init_params,
     prefill_context,
     propose,
+)
+from dspark_jax.drafters.common import (
+    DRAFT_STREAM,
+    DrafterParams,
+    FrozenParam,
+    Proposal,
 )
 
 __all__ = [

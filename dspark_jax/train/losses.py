@@ -40,10 +40,17 @@ with equal weight is the trainer's job. Eagle3 divides by the number of real tok
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from dspark_jax.config import DrafterConfig
+from dspark_jax.drafters.api import build
+from dspark_jax.drafters.common import DrafterParams, lm_logits
+from dspark_jax.drafters.dspark import teacher_forced
+from dspark_jax.drafters.eagle3 import ttt_hidden
+from dspark_jax.train.anchors import AnchorBlocks, make_blocks, sample_anchors
 
 Batch = dict[str, jax.Array]
+EPS = 1e-6
 
 
 def loss_fn(
@@ -54,9 +61,244 @@ def loss_fn(
     rng: jax.Array,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The drafter's training loss for `cfg.kind` (see the module docstring for the contract)."""
-    raise NotImplementedError
+    _check_batch(cfg, batch)
+    if cfg.kind == "eagle3":
+        return eagle3_loss(cfg, trainable, frozen, batch)
+    return dspark_loss(cfg, trainable, frozen, batch, rng)
 
 
 def position_weights(cfg: DrafterConfig) -> jax.Array:
     """w_k = exp(−k / g), k = 0..γ−1 [γ] fp32 (g = cfg.decay_g; REFERENCE §4.1)."""
-    raise NotImplementedError
+    return jnp.exp(-jnp.arange(cfg.block_size, dtype=jnp.float32) / cfg.decay_g)
+
+
+def _check_batch(cfg: DrafterConfig, batch: Batch) -> None:
+    need = ("input_ids", "loss_mask", "target_features", "target_hidden")
+    missing = [k for k in need if k not in batch]
+    if missing:
+        raise KeyError(f"batch lacks {missing}; loss_fn needs {need} (+ optional attention_mask)")
+    b, seq = batch["input_ids"].shape
+    want = {
+        "loss_mask": (b, seq),
+        "target_features": (b, seq, cfg.feature_size),
+        "target_hidden": (b, seq, cfg.hidden_size),
+    }
+    if "attention_mask" in batch:
+        want["attention_mask"] = (b, seq)
+    for k, shape in want.items():
+        if tuple(batch[k].shape) != shape:
+            raise ValueError(
+                f"batch[{k!r}] has shape {tuple(batch[k].shape)}, expected {shape} "
+                f"(m={cfg.target.num_feature_layers} feature layers of H={cfg.hidden_size})"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# DSpark / DFlash (REFERENCE §4)
+
+
+def block_terms(
+    cfg: DrafterConfig,
+    logits_BxNxGxV: jax.Array,
+    conf_BxNxG: jax.Array | None,
+    target_logits_BxNxGxV: jax.Array,
+    blocks: AnchorBlocks,
+) -> dict[str, jax.Array]:
+    """Additive loss numerators/denominators and metric sums for a set of blocks (fp32).
+
+    logits: corrected draft logits (teacher-forced); target logits: no gradient. The TV-based
+    confidence label c* = clip(1 − ½‖p_d − p_t‖₁, 0, 1) is detached; the L1 gradient flows only
+    through p_d.
+    """
+    f32 = jnp.float32
+    logp_d = jax.nn.log_softmax(logits_BxNxGxV.astype(f32), axis=-1)
+    p_d = jnp.exp(logp_d)
+    p_t = jax.nn.softmax(jax.lax.stop_gradient(target_logits_BxNxGxV).astype(f32), axis=-1)
+    mask = blocks.eval_mask.astype(f32)  # [B, N, γ]
+    w = position_weights(cfg)[None, None, :] * mask
+    ce = -jnp.take_along_axis(logp_d, blocks.target_ids[..., None], axis=-1)[..., 0]
+    l1 = jnp.abs(p_d - p_t).sum(-1)  # full L1 in [0, 2]
+    acc = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))  # 1 − TV = c*
+    den = w.sum()
+    t = {
+        "ce_num": (w * ce).sum(),
+        "ce_den": den,
+        "l1_num": (w * l1).sum(),
+        "l1_den": den,
+        "accept_num": (acc * mask).sum((0, 1)),
+        "accept_den": mask.sum((0, 1)),
+        "n_blocks": blocks.keep.astype(f32).sum(),
+        "n_supervised": mask.sum(),
+    }
+    valid_block = (blocks.keep & blocks.eval_mask.any(-1)).astype(f32)
+    tau_block = 1.0 + jnp.cumprod(acc * mask, axis=-1).sum(-1)
+    t["tau_num"] = (tau_block * valid_block).sum()
+    t["tau_den"] = valid_block.sum()
+    if conf_BxNxG is not None:
+        rho = conf_BxNxG.astype(f32)
+        bce = jax.nn.softplus(rho) - acc * rho  # BCE-with-logits against the soft label c*
+        t["bce_num"] = (w * bce).sum()
+        t["bce_den"] = den
+        c = jax.lax.stop_gradient(jax.nn.sigmoid(rho))
+        t["conf_abs_error_num"] = (w * jnp.abs(c - acc)).sum()
+        t["conf_bias_num"] = (w * (c - acc)).sum()
+        cum = jnp.cumprod(c * mask, axis=-1) - jnp.cumprod(acc * mask, axis=-1)
+        t["conf_cumprod_bias_num"] = (w * cum).sum()
+    return t
+
+
+def _blocks_chunked(blocks: AnchorBlocks, chunk: int) -> AnchorBlocks:
+    """[B, N, ...] -> [N/chunk, B, chunk, ...] for `lax.map` over anchor chunks."""
+
+    def split(x):
+        b, n = x.shape[:2]
+        x = x.reshape(b, n // chunk, chunk, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    return AnchorBlocks(*(split(x) for x in blocks))
+
+
+def dspark_loss(cfg, trainable, frozen, batch: Batch, rng) -> tuple[jax.Array, dict]:
+    """DSpark / DFlash: α_ce·CE + α_l1·L1 + α_conf·BCE, position-weighted means (REFERENCE §4)."""
+    model = build(cfg, DrafterParams(trainable, frozen))
+    ids = batch["input_ids"].astype(jnp.int32)
+    b, seq = ids.shape
+    anchors, keep = sample_anchors(rng, batch["loss_mask"], cfg.num_anchors)
+    blocks = make_blocks(ids, batch["loss_mask"], anchors, keep, cfg.block_size, cfg.mask_token_id)
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
+    ctx_kv = model.context_kv(batch["target_features"], positions)
+    hidden = batch["target_hidden"]
+    lm_head = frozen["lm_head"][...]
+
+    def terms(blk: AnchorBlocks):
+        z = model.blocks(ctx_kv, blk.anchors, blk.keep, blk.block_ids, blk.positions)
+        out = teacher_forced(model, z, blk.prev_ids)
+        th = jax.vmap(lambda h, p: h[p])(hidden, blk.target_pos)  # [B, n, γ, H]
+        t_logits = jax.lax.stop_gradient(lm_logits(lm_head, th.astype(lm_head.dtype)))
+        return block_terms(cfg, out.logits, out.conf_logits, t_logits, blk)
+
+    if cfg.anchor_chunk and cfg.anchor_chunk < cfg.num_anchors:
+        per_chunk = jax.lax.map(jax.checkpoint(terms), _blocks_chunked(blocks, cfg.anchor_chunk))
+        t = jax.tree.map(lambda x: x.sum(0), per_chunk)
+    else:
+        t = terms(blocks)
+    return _combine(cfg, t)
+
+
+def _combine(cfg: DrafterConfig, t: dict) -> tuple[jax.Array, dict]:
+    zero = jnp.zeros((), jnp.float32)
+    ce = t["ce_num"] / (t["ce_den"] + EPS)
+    l1 = t["l1_num"] / (t["l1_den"] + EPS)
+    bce = t["bce_num"] / (t["bce_den"] + EPS) if "bce_num" in t else zero
+    loss = cfg.ce_alpha * ce
+    if cfg.l1_alpha > 0:
+        loss = loss + cfg.l1_alpha * l1
+    if "bce_num" in t and cfg.conf_alpha > 0:
+        loss = loss + cfg.conf_alpha * bce
+    m = {k: jax.lax.stop_gradient(v) for k, v in t.items()}
+    m.update(
+        loss=jax.lax.stop_gradient(loss),
+        ce=jax.lax.stop_gradient(ce),
+        l1=jax.lax.stop_gradient(l1),
+        bce=jax.lax.stop_gradient(bce),
+        accept_rate=m["accept_num"] / jnp.maximum(m["accept_den"], 1.0),
+        tau=m["tau_num"] / jnp.maximum(m["tau_den"], 1.0),
+    )
+    if "bce_num" in t:
+        for k in ("conf_abs_error", "conf_bias", "conf_cumprod_bias"):
+            m[k] = m[k + "_num"] / (m["bce_den"] + EPS)
+    return loss, m
+
+
+# ---------------------------------------------------------------------------------------------
+# Eagle3 (REFERENCE §5.2)
+
+
+def _shift_left(x, k: int, fill=0):
+    if k == 0:
+        return x
+    pad = jnp.full((x.shape[0], k, *x.shape[2:]), fill, x.dtype)
+    return jnp.concatenate([x[:, k:], pad], axis=1)
+
+
+def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
+    """TTT soft-label CE: Σ_k 0.8^k Σ_t M^k_t·CE(P^k_t, q^k_t) / (#real tokens in the batch).
+
+    P^k_t = softmax(lm_head(target_hidden[t+k+1])), uniform past the end (never supervised);
+    M^0 = loss_mask with each row's last real token cleared, M^k_t = M^0_{t+k}.
+    """
+    f32 = jnp.float32
+    model = build(cfg, DrafterParams(trainable, frozen))
+    ids = batch["input_ids"].astype(jnp.int32)
+    b, seq = ids.shape
+    am = batch.get("attention_mask")
+    am = jnp.ones((b, seq), f32) if am is None else (am > 0.5).astype(f32)
+    valid_len = am.sum(1).astype(jnp.int32)
+    lm = (batch["loss_mask"] > 0.5).astype(f32) * am
+    lm = jnp.where(jnp.arange(seq)[None, :] == (valid_len - 1)[:, None], 0.0, lm)
+    lm_head = frozen["lm_head"][...]
+    t_logits = jax.lax.stop_gradient(
+        lm_logits(lm_head, batch["target_hidden"].astype(lm_head.dtype))
+    )  # [B, L, V]
+    g_steps = ttt_hidden(model, batch["target_features"], ids, valid_len)  # [γ, B, L, H]
+    denom = am.sum()
+    total = jnp.zeros((), f32)
+    acc_num, tv_num, mden, ce_k, match, accs = [], [], [], [], [], []
+    for k in range(cfg.block_size):
+        logp_d = jax.nn.log_softmax(model.logits(g_steps[k]).astype(f32), axis=-1)
+        tl = _shift_left(t_logits, k + 1)  # zero logits past the end -> uniform target
+        p_t = jax.nn.softmax(tl, axis=-1)
+        mk = _shift_left(lm, k)
+        ce = -(p_t * logp_d).sum(-1)
+        step = (mk * ce).sum() / jnp.maximum(denom, 1.0)
+        total = total + (cfg.step_loss_decay**k) * step
+        ce_k.append(step)
+        acc = jax.lax.stop_gradient(
+            jnp.clip(1.0 - 0.5 * jnp.abs(jnp.exp(logp_d) - p_t).sum(-1), 0.0, 1.0)
+        )
+        hit = (jnp.argmax(logp_d, -1) == jnp.argmax(tl, -1)).astype(f32)
+        accs.append(acc * mk)
+        match.append(hit * mk)
+        tv_num.append((acc * mk).sum())
+        acc_num.append((hit * mk).sum())
+        mden.append(mk.sum())
+    accs, match = jnp.stack(accs, -1), jnp.stack(match, -1)  # [B, L, γ]
+    valid0 = lm
+    tau = 1.0 + jnp.cumprod(accs, -1).sum(-1)
+    tau_g = 1.0 + jnp.cumprod(match, -1).sum(-1)
+    accept_num, accept_den = jnp.stack(tv_num), jnp.stack(mden)
+    m = {
+        "loss": total,
+        "ce": total,
+        "ce_steps": jnp.stack(ce_k),
+        "accept_num": accept_num,
+        "accept_den": accept_den,
+        "accept_rate": accept_num / jnp.maximum(accept_den, 1.0),
+        "acc_num": jnp.stack(acc_num),
+        "acc": jnp.stack(acc_num) / jnp.maximum(accept_den, 1.0),
+        "tau_num": (tau * valid0).sum(),
+        "tau_greedy_num": (tau_g * valid0).sum(),
+        "tau_den": valid0.sum(),
+        "n_supervised": lm.sum(),
+        "n_tokens": denom,
+    }
+    m["tau"] = m["tau_num"] / jnp.maximum(m["tau_den"], 1.0)
+    m["tau_greedy"] = m["tau_greedy_num"] / jnp.maximum(m["tau_den"], 1.0)
+    m = {k: jax.lax.stop_gradient(v) for k, v in m.items()}
+    return total, m
+
+
+def simulated_tau(accept_BxG: jax.Array, mask_BxG: jax.Array) -> jax.Array:
+    """τ = 1 + Σ_k Π_{i≤k}(1 − TV_i)·mask_i per row [B] (REFERENCE §4.5)."""
+    return 1.0 + jnp.cumprod(accept_BxG * mask_BxG, axis=-1).sum(-1)
+
+
+__all__ = [
+    "EPS",
+    "block_terms",
+    "dspark_loss",
+    "eagle3_loss",
+    "loss_fn",
+    "position_weights",
+    "simulated_tau",
+]
