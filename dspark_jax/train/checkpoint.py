@@ -1,0 +1,190 @@
+"""Training checkpoints: orbax, asynchronous, atomic, verified on restore.
+
+A checkpoint directory holds one orbax step directory per saved step. Each step has two items:
+
+* `state`: a pytree of arrays (the trainer saves `{"trainable", "opt_state"}`), written with
+  `StandardSave` (OCDBT, sharded arrays written by the processes that own them);
+* `meta`: a JSON object (step, data position, RNG key, configs, best score, ...) plus a
+  fingerprint of `state` (per-leaf sums) added here.
+
+Atomicity is orbax's: a step is written into `<step>.orbax-checkpoint-tmp` and renamed to
+`<step>` once every item is committed (then `_CHECKPOINT_METADATA` exists), so a process killed
+mid-save leaves only a temporary directory, which is never listed. Saves are asynchronous: `save`
+returns once the arrays are copied off the accelerator; `wait` blocks until the write committed.
+
+Restore never returns silent garbage: a step directory lacking orbax's commit files, one that
+orbax cannot read, or one whose restored arrays do not match the saved fingerprint is skipped
+with a `CheckpointWarning` in favour of the previous good step; if every step is bad,
+`CheckpointError` says so and which directory to remove.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+_COMMIT_FILE = "_CHECKPOINT_METADATA"
+_ITEMS = ("state", "meta")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was expected; the message says what to do."""
+
+
+class CheckpointWarning(UserWarning):
+    """A corrupt or partial checkpoint step was skipped."""
+
+
+@jax.jit
+def _leaf_sums(leaves):
+    return jnp.stack(
+        [jnp.sum(jnp.asarray(x, jnp.float32)) for x in leaves]
+        + [jnp.sum(jnp.abs(jnp.asarray(x, jnp.float32))) for x in leaves]
+    )
+
+
+def fingerprint(tree) -> list[float]:
+    """Per-leaf sums and absolute sums of a pytree of arrays (fp32), as host floats."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return []
+    return [float(v) for v in np.asarray(jax.device_get(_leaf_sums(leaves)))]
+
+
+def abstract_like(tree):
+    """`ShapeDtypeStruct`s (with shardings) of a live pytree: the restore target."""
+
+    def one(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+    return jax.tree.map(one, tree)
+
+
+class Checkpointer:
+    """Save and restore `(state pytree, meta dict)` per step under `directory`.
+
+    Keeps the newest `max_to_keep` steps. Every process of a multi-process run must call `save`
+    and `restore` together (orbax synchronizes them); arrays keep the shardings of the restore
+    target, so a checkpoint written on one mesh restores onto another.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 2, async_save=True):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self._mgr = ocp.CheckpointManager(self.directory, item_names=_ITEMS, options=options)
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def save(self, step: int, state, meta: dict[str, Any], *, force: bool = True) -> None:
+        """Start saving `state` and `meta` as `step` (returns before the write completes)."""
+        meta = dict(meta, step=int(step), fingerprint=fingerprint(state))
+        self._mgr.save(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=force,
+        )
+
+    def wait(self) -> None:
+        """Block until every started save has committed."""
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mgr.wait_until_finished()
+        self._mgr.close()
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first (temporary directories of interrupted saves excluded)."""
+        return sorted(s for s in self._mgr.all_steps() if self._committed(s))
+
+    def _committed(self, step: int) -> bool:
+        d = self.directory / str(step)
+        return (d / _COMMIT_FILE).exists() and all((d / item).is_dir() for item in _ITEMS)
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """The JSON item of one step (no arrays are read)."""
+        return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def _restore_one(self, step: int, abstract_state):
+        if not self._committed(step):
+            raise CheckpointError(f"step {step} is partial (orbax commit files missing)")
+        out = self._mgr.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+            ),
+        )
+        state, meta = out["state"], out["meta"]
+        if not isinstance(meta, dict) or meta.get("step") != step:
+            raise CheckpointError(f"step {step}: metadata is missing or names another step")
+        saved = np.asarray(meta.get("fingerprint", []), np.float64)
+        got = np.asarray(fingerprint(state), np.float64)
+        if saved.shape != got.shape or not np.allclose(got, saved, rtol=1e-4, atol=1e-5):
+            raise CheckpointError(
+                f"step {step}: restored arrays do not match the saved fingerprint"
+            )
+        return state, meta
+
+    def restore(self, abstract_state, step: int | None = None):
+        """`(step, state, meta)` of the newest good step (or exactly `step`); None if empty.
+
+        `abstract_state` is the structure to restore into (`abstract_like(live_state)`): same
+        tree, shapes and dtypes as saved; arrays land with its shardings. A bad newest step is
+        skipped with a `CheckpointWarning`; `CheckpointError` when no step is good (or the
+        requested `step` is bad).
+        """
+        candidates = [step] if step is not None else self.steps()[::-1]
+        present = sorted(self._mgr.all_steps())
+        if step is None:
+            for s in sorted(set(present) - set(candidates), reverse=True):
+                warnings.warn(
+                    f"checkpoint step {s} in {self.directory} is partial (commit files missing); "
+                    "skipping it",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
+        if not candidates:
+            if present:
+                raise CheckpointError(
+                    f"{self.directory} holds only partial checkpoints {present}; remove them to "
+                    "start afresh"
+                )
+            return None
+        errors = []
+        for s in candidates:
+            try:
+                state, meta = self._restore_one(s, abstract_state)
+            except Exception as e:  # orbax / tensorstore / json raise many types
+                errors.append(f"step {s}: {type(e).__name__}: {str(e)[:300]}")
+                if step is not None:
+                    break
+                warnings.warn(
+                    f"checkpoint step {s} in {self.directory} is unreadable or corrupt ({e!s:.200});"
+                    " falling back to the previous step",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
+                continue
+            return s, state, meta
+        raise CheckpointError(
+            f"no usable checkpoint in {self.directory}: "
+            + "; ".join(errors)
+            + ". Remove the bad step directories (or the whole directory to start afresh)."
+        )

@@ -1,0 +1,332 @@
+"""Target features for drafter training, online (default) or from an offline cache (REFERENCE §1.4).
+
+The drafter needs two tensors per token: `target_features` [L, m*H], the raw outputs of the
+configured `target_layer_ids` concatenated in order, and `target_hidden` [L, H], the final-normed
+last hidden state. Target logits are never materialised here: the loss recomputes them from
+`target_hidden` through the drafter's frozen LM head, only where it needs them.
+
+* Online: `target_features(...)` runs the frozen target (no KV cache, no logits) inside the
+  caller's jitted train step, so nothing is stored (the reference cache is ~38 TB for Qwen3-4B).
+* Offline: `write_feature_cache` runs the target once over a dataset and writes chunked `.npy`
+  files (bf16 by default, fp32 with `dtype="float32"`) plus `index.json`; `FeatureCacheReader`
+  serves them as a loader source. Every chunk is written into a temporary directory and renamed
+  into place, then the index is replaced atomically, so an interrupted writer leaves only complete
+  chunks; running it again skips them and finishes the rest.
+
+Cache layout::
+
+    index.json                   version, dtype, sizes, target config, data fingerprint, chunks
+    chunk_000000/input_ids.npy   [T] int32   (T = tokens of the chunk's samples, concatenated)
+                 loss_mask.npy   [T] uint8
+                 offsets.npy     [n + 1] int64  sample i is rows offsets[i]:offsets[i+1]
+                 features.npy    [T, m*H]  bf16 stored as its uint16 bit pattern, or float32
+                 hidden.npy      [T, H]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from dspark_jax.config import ConfigError, TargetConfig
+from dspark_jax.models import transformer
+from dspark_jax.train.data import DEFAULT_BUCKETS, TokenizedSample, atomic_write, pad_to_bucket
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+
+
+class FeatureCacheError(ValueError):
+    """A feature cache that cannot be used as asked; the message says what to do."""
+
+
+def target_features(
+    target_cfg: TargetConfig, target_params, input_ids_BxL: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(features [B, L, m*H], hidden [B, L, H]) of the frozen target; traceable, no gradient.
+
+    Static: `target_cfg` and the shapes. Arrays: `target_params`, `input_ids_BxL`. Sequences are
+    right-padded: positions are 0..L-1 and attention is causal, so padding never changes a real
+    token's outputs. No KV cache and no logits are computed.
+    """
+    b, length = input_ids_BxL.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    out, _ = transformer.forward(
+        target_cfg, target_params, input_ids_BxL, positions, None, compute_logits=False
+    )
+    return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.hidden)
+
+
+_features_jit = jax.jit(target_features, static_argnums=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Offline cache
+
+
+def _fingerprint(samples: Sequence[TokenizedSample], target_cfg: TargetConfig, dtype: str) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(target_cfg.to_json(), sort_keys=True).encode())
+    h.update(dtype.encode())
+    for s in samples:
+        ids = np.asarray(s.input_ids, np.int32)
+        h.update(np.int64(len(ids)).tobytes())
+        h.update(ids.tobytes())
+        h.update(np.asarray(s.loss_mask, np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def _save_npy(path: Path, arr: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        np.save(f, arr)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _chunk_name(c: int) -> str:
+    return f"chunk_{c:06d}"
+
+
+def write_feature_cache(
+    out_dir: str | os.PathLike,
+    target_cfg: TargetConfig,
+    target_params,
+    samples: Sequence[TokenizedSample],
+    *,
+    chunk_size: int = 256,
+    batch_size: int = 8,
+    buckets: Sequence[int] = DEFAULT_BUCKETS,
+    dtype: str = "bfloat16",
+    progress: bool = False,
+    max_chunks: int | None = None,
+) -> FeatureCacheReader:
+    """Compute and store the target features of `samples` under `out_dir`; returns a reader.
+
+    Resumable: an existing cache with the same fingerprint (samples, target config, dtype,
+    chunk size) keeps its completed chunks and only the missing ones are computed. A cache
+    built for other data or another target raises `FeatureCacheError` instead of being mixed.
+    `max_chunks` stops after writing that many new chunks (for tests of interruption).
+    Run it on one process; the forward is jitted with one compilation per bucket.
+    """
+    if dtype not in _DTYPES:
+        raise ConfigError(f"feature cache dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if not samples:
+        raise FeatureCacheError("no samples to cache: the dataset is empty")
+    if chunk_size < 1 or batch_size < 1:
+        raise ConfigError("chunk_size and batch_size must be >= 1")
+    too_long = [i for i, s in enumerate(samples) if len(s) > max(buckets)]
+    if too_long:
+        raise FeatureCacheError(
+            f"sample {too_long[0]} (length {len(samples[too_long[0]])}) exceeds the largest bucket "
+            f"{max(buckets)}; add a larger bucket"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fp = _fingerprint(samples, target_cfg, dtype)
+    n_chunks = -(-len(samples) // chunk_size)
+    index_path = out / "index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        same = (
+            index.get("fingerprint") == fp
+            and index.get("chunk_size") == chunk_size
+            and index.get("version") == CACHE_VERSION
+        )
+        if not same:
+            raise FeatureCacheError(
+                f"{out} holds a feature cache for other data, target or settings; use a new "
+                "directory or delete this one"
+            )
+    else:
+        index = {
+            "version": CACHE_VERSION,
+            "dtype": dtype,
+            "num_samples": len(samples),
+            "chunk_size": chunk_size,
+            "num_chunks": n_chunks,
+            "feature_size": target_cfg.feature_size,
+            "hidden_size": target_cfg.hidden_size,
+            "target": target_cfg.to_json(),
+            "fingerprint": fp,
+            "chunks": {},
+        }
+    # Leftovers of an interrupted writer: temporary dirs, and chunk dirs renamed into place
+    # whose index update never happened. Neither is trusted.
+    for p in out.iterdir():
+        if p.is_dir() and (
+            ".tmp" in p.name or (p.name not in index["chunks"] and "chunk_" in p.name)
+        ):
+            shutil.rmtree(p)
+    todo = [c for c in range(n_chunks) if _chunk_name(c) not in index["chunks"]]
+    if max_chunks is not None:
+        todo = todo[:max_chunks]
+    bar = None
+    if progress and todo:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), desc="feature cache", unit="chunk")
+    np_dtype = _DTYPES[dtype]
+    for c in todo:
+        lo, hi = c * chunk_size, min((c + 1) * chunk_size, len(samples))
+        feats, hids = [], []
+        for b in range(lo, hi, batch_size):
+            part = samples[b : min(b + batch_size, hi)]
+            batch = pad_to_bucket(part, buckets, batch_size=batch_size)
+            f, h = _features_jit(target_cfg, target_params, jnp.asarray(batch.input_ids))
+            f = np.asarray(jax.device_get(f.astype(jnp.float32))).astype(np_dtype)
+            h = np.asarray(jax.device_get(h.astype(jnp.float32))).astype(np_dtype)
+            for r, s in enumerate(part):
+                feats.append(f[r, : len(s)])
+                hids.append(h[r, : len(s)])
+        chunk = samples[lo:hi]
+        offsets = np.cumsum([0] + [len(s) for s in chunk]).astype(np.int64)
+        name = _chunk_name(c)
+        tmp = out / f"{name}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        _save_npy(
+            tmp / "input_ids.npy", np.concatenate([s.input_ids for s in chunk]).astype(np.int32)
+        )
+        _save_npy(
+            tmp / "loss_mask.npy", np.concatenate([s.loss_mask for s in chunk]).astype(np.uint8)
+        )
+        _save_npy(tmp / "offsets.npy", offsets)
+        for fname, arrs in (("features.npy", feats), ("hidden.npy", hids)):
+            arr = np.concatenate(arrs, axis=0)
+            _save_npy(tmp / fname, arr.view(np.uint16) if dtype == "bfloat16" else arr)
+        os.replace(tmp, out / name)
+        index["chunks"][name] = {"start": lo, "count": hi - lo, "num_tokens": int(offsets[-1])}
+        with atomic_write(index_path) as fh:
+            json.dump(index, fh, indent=1)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if not index_path.exists():  # max_chunks=0 on a fresh cache
+        with atomic_write(index_path) as fh:
+            json.dump(index, fh, indent=1)
+    return FeatureCacheReader(out, allow_incomplete=max_chunks is not None)
+
+
+class FeatureCacheReader:
+    """A loader source over a feature cache (memory-mapped; arrays are read on demand).
+
+    `get(i)` returns `input_ids` [L] int32, `loss_mask` [L] uint8, `target_features` [L, m*H] and
+    `target_hidden` [L, H] in the cache dtype (bf16 as `ml_dtypes.bfloat16`). An incomplete cache
+    (interrupted writer) raises `FeatureCacheError` unless `allow_incomplete`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False):
+        self.path = Path(path)
+        index_path = self.path / "index.json"
+        if not index_path.exists():
+            raise FeatureCacheError(
+                f"no feature cache at {self.path} (index.json missing); build it with "
+                "write_feature_cache"
+            )
+        try:
+            self.index = json.loads(index_path.read_text())
+        except json.JSONDecodeError as e:
+            raise FeatureCacheError(f"{index_path} is corrupt ({e}); rebuild the cache") from e
+        if self.index.get("version") != CACHE_VERSION:
+            raise FeatureCacheError(
+                f"{self.path}: cache version {self.index.get('version')} is not {CACHE_VERSION}; "
+                "rebuild it"
+            )
+        chunks = self.index["chunks"]
+        missing = self.index["num_chunks"] - len(chunks)
+        if missing and not allow_incomplete:
+            raise FeatureCacheError(
+                f"{self.path}: feature cache is incomplete ({missing} of "
+                f"{self.index['num_chunks']} chunks missing); run write_feature_cache again with "
+                "the same arguments to finish it (completed chunks are kept)"
+            )
+        self.dtype = _DTYPES[self.index["dtype"]]
+        self.target_cfg = TargetConfig.from_json(self.index["target"])
+        self._chunks = sorted(
+            ((v["start"], v["count"], k) for k, v in chunks.items()), key=lambda t: t[0]
+        )
+        self._rows = []  # (chunk name, position within chunk) per readable sample
+        lengths, loss_tokens = [], []
+        self._arrays: dict[str, dict[str, np.ndarray]] = {}
+        for _start, count, name in self._chunks:
+            d = self.path / name
+            try:
+                offsets = np.load(d / "offsets.npy")
+                mask = np.load(d / "loss_mask.npy", mmap_mode="r")
+            except (OSError, ValueError) as e:
+                raise FeatureCacheError(f"{d} is unreadable ({e}); delete it and resume") from e
+            if len(offsets) != count + 1:
+                raise FeatureCacheError(
+                    f"{d}: offsets do not match the index; delete it and resume"
+                )
+            lens = np.diff(offsets)
+            csum = np.concatenate([[0], np.cumsum(np.asarray(mask, np.int64))])
+            sums = csum[offsets[1:]] - csum[offsets[:-1]]
+            for j in range(count):
+                self._rows.append((name, j))
+            lengths.extend(lens.tolist())
+            loss_tokens.extend(np.asarray(sums).tolist())
+        self.lengths = np.asarray(lengths, np.int64)
+        self.num_loss_tokens = np.asarray(loss_tokens, np.int64)
+
+    @property
+    def feature_size(self) -> int:
+        return int(self.index["feature_size"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.index["hidden_size"])
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _chunk(self, name: str) -> dict[str, np.ndarray]:
+        if name not in self._arrays:
+            d = self.path / name
+            arrs = {
+                k: np.load(d / f"{k}.npy", mmap_mode="r")
+                for k in ("input_ids", "loss_mask", "offsets", "features", "hidden")
+            }
+            for k in ("features", "hidden"):
+                if self.dtype == ml_dtypes.bfloat16:
+                    arrs[k] = arrs[k].view(ml_dtypes.bfloat16)
+            self._arrays[name] = arrs
+        return self._arrays[name]
+
+    def get(self, i: int) -> dict[str, np.ndarray]:
+        name, j = self._rows[i]
+        a = self._chunk(name)
+        lo, hi = int(a["offsets"][j]), int(a["offsets"][j + 1])
+        return {
+            "input_ids": np.asarray(a["input_ids"][lo:hi]),
+            "loss_mask": np.asarray(a["loss_mask"][lo:hi]),
+            "target_features": np.asarray(a["features"][lo:hi]),
+            "target_hidden": np.asarray(a["hidden"][lo:hi]),
+        }
+
+    def check_target(self, target_cfg: TargetConfig) -> None:
+        """Raise `FeatureCacheError` unless the cache was built by a target with this config."""
+        mine = self.target_cfg.to_json()
+        theirs = target_cfg.to_json()
+        mine.pop("dtype", None)
+        theirs.pop("dtype", None)
+        if mine != theirs:
+            diff = sorted(k for k in mine if mine.get(k) != theirs.get(k))
+            raise FeatureCacheError(
+                f"feature cache {self.path} was built for another target (differs in {diff}); "
+                "rebuild it for this target or train against the cached one"
+            )
