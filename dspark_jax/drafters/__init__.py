@@ -17,7 +17,7 @@ Training (pure; see `dspark_jax.train.losses.loss_fn` for the loss contract):
   * Eagle3: `eagle3.ttt_logits(cfg, params, features, input_ids, attention_mask)` — the
     training-time test over γ steps (REFERENCE §5.2).
 
-Inference (pure, jit-able; `cfg` and `greedy` static, everything else arrays):
+Inference (pure, jit-able; `cfg` and `scfg` static, everything else arrays):
   * `init_context(cfg, batch, max_len)` -> empty drafter context state (its own KV cache).
   * `extend_context(cfg, params, ctx, features[B,T,m*H], next_tokens[B,T], num_new[B])` -> ctx:
     append the target features of committed positions `ctx.lengths + t` (t < num_new[b]);
@@ -26,13 +26,14 @@ Inference (pure, jit-able; `cfg` and `greedy` static, everything else arrays):
     with the prompt's features and `next_tokens = prompt[1:] + [first sampled token]`.
     After a verify round with A accepted drafts: features of positions start..start+A and
     next_tokens = [d_1..d_A, new_anchor], num_new = A + 1.
-  * `propose(cfg, params, ctx, anchor[B], key, seeds[B], sampling, greedy=False)` -> Proposal:
+  * `propose(cfg, params, ctx, anchor[B], key, seeds[B], sampling, scfg)` -> Proposal:
     draft_tokens [B, γ] int32, draft_probs [B, γ, V] fp32 (the exact distribution each token was
     drawn from, after the sampling transform), conf_logits [B, γ] fp32 (None for DFlash/Eagle3).
     The anchor sits at position `ctx.lengths`; the draft token of slot k at `ctx.lengths + k + 1`
-    and is sampled with key `fold_in(fold_in(fold_in(key, DRAFT_STREAM), seeds[b]), position)`,
-    so a request's draft does not depend on the batch it shares. `propose` never writes the
-    context: rejected drafts need no rollback.
+    and is drawn with `spec.rng.position_keys(key, DRAFT, seeds, position)`, so a request's
+    draft does not depend on the batch it shares. `sampling`/`scfg` are the target's
+    `spec.sampling` knobs (same transform). `propose` never writes the context: rejected drafts
+    need no rollback.
 """
 
 from __future__ import annotations
@@ -48,14 +49,12 @@ from dspark_jax.drafters.api import (
     propose,
 )
 from dspark_jax.drafters.common import (
-    DRAFT_STREAM,
     DrafterParams,
     FrozenParam,
     Proposal,
 )
 
 __all__ = [
-    "DRAFT_STREAM",
     "DrafterParams",
     "FrozenParam",
     "Proposal",

@@ -24,6 +24,7 @@ from dspark_jax.drafters.eagle3 import (
     init_eagle3_context,
     propose_eagle3,
 )
+from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
 
 
 def _module_cls(cfg: DrafterConfig):
@@ -124,21 +125,22 @@ def propose(
     anchor_B,
     key,
     seeds_B,
-    sampling=None,
-    greedy: bool = False,
+    sampling: SamplingParams | None = None,
+    scfg: SamplingConfig | None = None,
 ) -> Proposal:
     """Draft γ tokens per request (see the package doc for keys and positions).
 
-    Static: cfg, greedy. Arrays: params, ctx, anchor [B] (the token at position ctx.lengths;
-    Eagle3 already consumed it in `extend_context`), key, seeds [B], sampling (per-row knobs).
+    Static: cfg, scfg (`spec.sampling.SamplingConfig`; None = plain sampling, greedy=True =
+    argmax). Arrays: params, ctx, anchor [B] (the token at position ctx.lengths; Eagle3 already
+    consumed it in `extend_context`), key (the engine's root key; draws use the DRAFT stream of
+    `spec.rng`), seeds [B], sampling (per-row `SamplingParams`; None = temperature 1).
     """
     model = build(cfg, params)
     if cfg.kind == "eagle3":
-        return propose_eagle3(model, ctx, key, seeds_B, sampling, greedy)
-    return propose_block(
-        model, ctx, jnp.asarray(anchor_B, jnp.int32), key, seeds_B, sampling, greedy
-    )
+        return propose_eagle3(model, ctx, key, seeds_B, sampling, scfg)
+    anchor_B = jnp.asarray(anchor_B, jnp.int32)
+    return propose_block(model, ctx, anchor_B, key, seeds_B, sampling, scfg)
 
 
-propose_jit = jax.jit(propose, static_argnames=("cfg", "greedy"))
+propose_jit = jax.jit(propose, static_argnames=("cfg", "scfg"))
 extend_context_jit = jax.jit(extend_context, static_argnames=("cfg",), donate_argnames=("ctx",))

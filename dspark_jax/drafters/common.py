@@ -11,10 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.models.transformer import apply_rope, rope_inv_freq
-
-# Folded into the caller's key before (request seed, position), so draft sampling never shares
-# randomness with verification (which folds the same (seed, position) pairs).
-DRAFT_STREAM = 0x0D5A
+from dspark_jax.spec import rng as spec_rng
+from dspark_jax.spec import sampling as spec_sampling
 
 _NEG = -1e30
 
@@ -129,32 +127,25 @@ def block_attend(q_BxNxGxQxD, k_ctx_BxLxKxD, v_ctx_BxLxKxD, ctx_len_BxN, k_blk, 
 
 
 def draft_keys(key: jax.Array, seeds_B: jax.Array, positions_BxG: jax.Array) -> jax.Array:
-    """Per-(request, position) keys [B, G]: fold_in(fold_in(fold_in(key, DRAFT_STREAM), seed),
-    position). Independent of batch composition and padding."""
-    base = jax.random.fold_in(key, DRAFT_STREAM)
-
-    def row(seed, pos_G):
-        k = jax.random.fold_in(base, seed)
-        return jax.vmap(lambda p: jax.random.fold_in(k, p))(pos_G)
-
-    return jax.vmap(row)(seeds_B.astype(jnp.uint32), positions_BxG.astype(jnp.uint32))
+    """Per-(request, position) keys [B, G] of the DRAFT stream (`spec.rng`): independent of
+    batch composition and padding, and disjoint from the target's and the acceptance draws."""
+    return spec_rng.position_keys(key, spec_rng.DRAFT, seeds_B, positions_BxG)
 
 
-def sampling_probs(logits_BxV: jax.Array, sampling, greedy: bool) -> jax.Array:
+def sampling_probs(logits_BxV: jax.Array, sampling, scfg) -> jax.Array:
     """The exact fp32 distribution a draft token is drawn from: the same transform as the
-    target's (temperature / top-k / top-p per row, `dspark_jax.spec.sampling`); `greedy`
-    (static) gives the one-hot argmax. `sampling=None` means plain softmax (temperature 1)."""
+    target's (`spec.sampling.probs_from_logits`; `scfg.greedy` gives the one-hot argmax).
+    `sampling=None` outside greedy mode means plain softmax (temperature 1)."""
     logits = logits_BxV.astype(jnp.float32)
-    if greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
-    if sampling is None:
+    if scfg is None:
+        scfg = spec_sampling.SamplingConfig()
+    if sampling is None and not scfg.greedy:
         return jax.nn.softmax(logits, axis=-1)
-    from dspark_jax.spec import sampling as spec_sampling
-
-    return spec_sampling.probs(logits, sampling)
+    return spec_sampling.probs_from_logits(logits, sampling, scfg)
 
 
-def sample_rows(keys_B: jax.Array, probs_BxV: jax.Array) -> jax.Array:
-    """One token per row from `probs` (zero-probability tokens are never drawn)."""
-    logp = jnp.where(probs_BxV > 0, jnp.log(jnp.where(probs_BxV > 0, probs_BxV, 1.0)), -jnp.inf)
-    return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys_B, logp).astype(jnp.int32)
+def draw_tokens(keys_B: jax.Array, probs_BxV: jax.Array, scfg) -> jax.Array:
+    """One token per row from `probs` (greedy mode: the argmax, no randomness)."""
+    if scfg is not None and scfg.greedy:
+        return jnp.argmax(probs_BxV, axis=-1).astype(jnp.int32)
+    return spec_sampling.sample_from_probs(keys_B, probs_BxV)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.drafters.common import Proposal, draft_keys, sample_rows, sampling_probs
+from dspark_jax.drafters.common import Proposal, draft_keys, draw_tokens, sampling_probs
 from dspark_jax.drafters.dflash import BlockContext, BlockDrafter, single_block
 
 
@@ -43,7 +43,7 @@ def propose_block(
     key,
     seeds_B,
     sampling=None,
-    greedy: bool = False,
+    scfg=None,
     forced_BxG=None,
 ) -> Proposal:
     """One block per request from the cached context, then sequential sampling.
@@ -71,13 +71,8 @@ def propose_block(
             state, bias, e = head.step(state, prev, z_k)
             logits = logits + bias
         conf = conf_head(z_k, e) if conf_head is not None else jnp.zeros((b,), jnp.float32)
-        probs = sampling_probs(logits, sampling, greedy)
-        if forced_BxG is not None:
-            tok = forced_k
-        elif greedy:
-            tok = jnp.argmax(probs, -1).astype(jnp.int32)
-        else:
-            tok = sample_rows(key_k, probs)
+        probs = sampling_probs(logits, sampling, scfg)
+        tok = forced_k if forced_BxG is not None else draw_tokens(key_k, probs, scfg)
         return (tok, state), (tok, probs, conf)
 
     xs = (jnp.moveaxis(z, 1, 0), jnp.moveaxis(base, 1, 0), jnp.moveaxis(keys, 1, 0), forced.T)

@@ -23,6 +23,7 @@ from dspark_jax.drafters.common import (
     FrozenParam,
     Proposal,
     draft_keys,
+    draw_tokens,
     dtype_of,
     embed,
     joint_softmax,
@@ -30,7 +31,6 @@ from dspark_jax.drafters.common import (
     normal_init,
     project_kv,
     project_q,
-    sample_rows,
     sampling_probs,
 )
 from dspark_jax.models.transformer import MLP, Linear, RMSNorm
@@ -238,7 +238,7 @@ def propose_eagle3(
     key,
     seeds_B,
     sampling=None,
-    greedy: bool = False,
+    scfg=None,
     forced_BxG=None,
 ) -> Proposal:
     """γ autoregressive draft steps from ctx.g (the anchor was paired with the last committed
@@ -258,17 +258,12 @@ def propose_eagle3(
     buf_k = jnp.zeros((b, nb, attn.cfg.num_kv_heads, attn.cfg.head_dim), ctx.k.dtype)
     buf_v = jnp.zeros_like(buf_k)
 
-    def draw(g, key_k, forced_k):
-        probs = sampling_probs(model.logits(g), sampling, greedy)
-        if forced_BxG is not None:
-            tok = forced_k
-        elif greedy:
-            tok = jnp.argmax(probs, -1).astype(jnp.int32)
-        else:
-            tok = sample_rows(key_k, probs)
+    def step_draw(g, key_k, forced_k):
+        probs = sampling_probs(model.logits(g), sampling, scfg)
+        tok = forced_k if forced_BxG is not None else draw_tokens(key_k, probs, scfg)
         return tok, probs
 
-    tok0, p0 = draw(ctx.g, keys[:, 0], forced[:, 0])
+    tok0, p0 = step_draw(ctx.g, keys[:, 0], forced[:, 0])
 
     def body(carry, xs):
         g, tok, bk, bv = carry
@@ -282,7 +277,7 @@ def propose_eagle3(
         buf_mask = jnp.broadcast_to(jnp.arange(nb)[None, None, :] < j, (b, 1, nb))
         a = _attend_cache_and_buffer(q, ctx.k, ctx.v, cache_mask, bk, bv, buf_mask)
         g = layer.finish(g[:, None], a.astype(g.dtype))[:, 0]
-        tok, probs = draw(g, key_k, forced_k)
+        tok, probs = step_draw(g, key_k, forced_k)
         return (g, tok, bk, bv), (tok, probs)
 
     js = jnp.arange(1, gam, dtype=jnp.int32)

@@ -32,14 +32,14 @@ class MarkovHead(nnx.Module):
         self.rank = r
         self.markov_w1 = nnx.Param(normal_init(rngs, (v, r), dt), logical=("vocab", None))
         self.markov_w2 = Linear(r, v, rngs=rngs, dtype=dt, logical=(None, "vocab"))
-        self.gate_proj = None
-        self.joint_proj = None
-        if self.kind == "gated":
-            self.gate_proj = Linear(h + r, r, rngs=rngs, dtype=dt, logical=(None, None), bias=True)
-        elif self.kind == "rnn":
-            self.joint_proj = Linear(
-                2 * r + h, 3 * r, rngs=rngs, dtype=dt, logical=(None, None), bias=True
-            )
+        gated, rnn = self.kind == "gated", self.kind == "rnn"
+        lg = (None, None)
+        self.gate_proj = (
+            Linear(h + r, r, rngs=rngs, dtype=dt, logical=lg, bias=True) if gated else None
+        )
+        self.joint_proj = (
+            Linear(2 * r + h, 3 * r, rngs=rngs, dtype=dt, logical=lg, bias=True) if rnn else None
+        )
 
     def embed(self, tokens):
         """W1[tokens] [..., r]."""
