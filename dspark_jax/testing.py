@@ -105,3 +105,33 @@ class CompileCounter:
 
         m.unregister_event_duration_listener(self._cb)
         return False
+
+
+def tiny_drafter_config(kind: str = "dspark", target=None, **overrides):
+    """A drafter for `tiny_target_config()`: 2 layers (Eagle3: 1), γ=4, 8 anchors, r=16,
+    mask token 255 (the last embedding row)."""
+    from dspark_jax.config import DrafterConfig
+
+    target = target or tiny_target_config()
+    base = dict(block_size=4)
+    if kind != "eagle3":
+        base.update(num_layers=2, num_anchors=8, mask_token_id=target.vocab_size - 1)
+    if kind == "dspark":
+        base.update(markov_rank=16)
+    base.update(overrides)
+    return getattr(DrafterConfig, kind)(target, **base)
+
+
+def drafter_batch(
+    target_cfg, target_params, batch: int = 2, length: int = 24, seed: int = 1, prompt: int = 5
+):
+    """A loss_fn batch from the target itself: random tokens, loss mask off for the first
+    `prompt` tokens, online target features and final hidden state."""
+    from dspark_jax.models.transformer import forward
+
+    ids = random_tokens(seed, (batch, length), target_cfg.vocab_size - 1)
+    out, _ = forward(target_cfg, target_params, ids, positions_like(ids), compute_logits=False)
+    mask = jnp.ones((batch, length), jnp.float32).at[:, :prompt].set(0.0)
+    return dict(
+        input_ids=ids, loss_mask=mask, target_features=out.features, target_hidden=out.hidden
+    )
