@@ -13,18 +13,20 @@ import typing
 from typing import Any
 
 from dspark_jax.config import ConfigError, TargetConfig
+from dspark_jax.train.corpus import CorpusConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class CorpusStage:
-    """Embedded corpus (stdlib code, pydoc prose, generated math) or user files."""
+class DataStage:
+    """Training conversations and evaluation prompts.
 
-    seed: int = 0
-    n_math: int = 3000
-    max_code_files: int = 400
-    max_answer_chars: int = 480
-    # User data instead of the embedded corpus: conversation JSONL files (training) and
-    # DeepSpec-format prompt files ({"turns": [...]}) per evaluation dataset.
+    By default the embedded corpus (`corpus`: stdlib code, pydoc prose, generated math) provides
+    both. `conversation_files` (JSONL `{"conversations": [...]}`) replace its training chats;
+    `eval_prompt_files` (DeepSpec `{"turns": [...]}` JSONL, one dataset per file, named by the
+    file stem) replace its held-out prompt sets.
+    """
+
+    corpus: CorpusConfig = CorpusConfig()
     conversation_files: tuple[str, ...] = ()
     eval_prompt_files: tuple[str, ...] = ()
 
@@ -40,7 +42,9 @@ class TargetStage:
     """The target LM: trained here (embedded demo) or loaded from `path` (HF checkpoint dir)."""
 
     path: str = ""
+    # the architecture to train (vocab_size is set from the tokenizer); ignored with `path`
     model: TargetConfig = TargetConfig()
+    target_layer_ids: tuple[int, ...] = ()  # with `path`: feature layers (default: DFlash rule)
     steps: int = 1500
     batch_size: int = 16
     seq_len: int = 256
@@ -90,6 +94,8 @@ class EvalStage:
     max_new_tokens: int = 128
     temperature: float = 1.0
     seed: int = 980406
+    batch_size: int = 8
+    max_len: int = 512
     speed_prompts: int = 8
 
 
@@ -97,7 +103,7 @@ class EvalStage:
 class PipelineConfig:
     name: str = "tiny"
     run_dir: str = "runs/tiny"
-    corpus: CorpusStage = CorpusStage()
+    data: DataStage = DataStage()
     tokenizer: TokenizerStage = TokenizerStage()
     target: TargetStage = TargetStage()
     regenerate: RegenerateStage = RegenerateStage()
@@ -159,7 +165,7 @@ def _set_path(obj, parts: list[str], value: str, key: str):
         if dataclasses.is_dataclass(cur):
             raise ConfigError(f"{key!r} is a section; set one of its fields, e.g. {key}.<field>")
         typ = hints[head]
-        if typing.get_origin(typ) in (typing.Union, getattr(__import__("types"), "UnionType")):
+        if typing.get_origin(typ) in (typing.Union, __import__("types").UnionType):
             args = [a for a in typing.get_args(typ) if a is not type(None)]
             typ = args[0]
         new = _parse(value, typ, key)

@@ -1,0 +1,128 @@
+"""Training the target LM itself (the embedded demo's target): next-token cross-entropy.
+
+Uses the drafter trainer's optimizer (`trainer.make_optimizer`: AdamW, warmup + cosine, global-norm
+clipping) and its orbax `Checkpointer`, so an interrupted run resumes from its last checkpoint
+with the same data order. Batches are fixed-shape [batch_size, seq_len] windows cut from the
+tokenized conversations (packed end to end, so no padding is trained), drawn in a permutation
+seeded by (seed, epoch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from dspark_jax.config import TargetConfig, TrainConfig
+from dspark_jax.models.transformer import forward, init_params
+from dspark_jax.train.checkpoint import Checkpointer, abstract_like
+from dspark_jax.train.trainer import make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class LMTrainConfig:
+    steps: int = 1000
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 3e-3
+    warmup_frac: float = 0.05
+    weight_decay: float = 0.01
+    seed: int = 0
+    checkpoint_every: int = 200
+
+
+def pack_windows(token_lists, seq_len: int) -> np.ndarray:
+    """Concatenate token lists and cut [N, seq_len + 1] windows (inputs + shifted labels)."""
+    flat = np.concatenate([np.asarray(t, np.int32) for t in token_lists])
+    n = (len(flat) - 1) // seq_len
+    if n < 1:
+        raise ValueError(
+            f"not enough text to train the target: {len(flat)} tokens < seq_len + 1 = {seq_len + 1}"
+        )
+    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    return flat[idx]
+
+
+def _loss(cfg: TargetConfig, params, windows_BxT1):
+    x = windows_BxT1[:, :-1]
+    y = windows_BxT1[:, 1:]
+    pos = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape)
+    out, _ = forward(cfg, params, x, pos, None)
+    logp = jax.nn.log_softmax(out.logits, -1)
+    nll = -jnp.take_along_axis(logp, y[..., None], -1)[..., 0]
+    return jnp.mean(nll)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
+def _step(cfg, opt, params, opt_state, batch):
+    loss, grads = jax.value_and_grad(functools.partial(_loss, cfg))(params, batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def train_lm(
+    cfg: TargetConfig,
+    token_lists,
+    tc: LMTrainConfig,
+    run_dir: str | os.PathLike,
+    *,
+    heldout_token_lists=None,
+    progress: bool = True,
+):
+    """Train a target from scratch (or resume from `run_dir/ckpt`). Returns (params, log)."""
+    run_dir = Path(run_dir)
+    windows = pack_windows(token_lists, tc.seq_len)
+    if len(windows) < tc.batch_size:
+        raise ValueError(
+            f"only {len(windows)} windows of {tc.seq_len} tokens for batch_size={tc.batch_size}"
+        )
+    opt_cfg = TrainConfig(
+        learning_rate=tc.lr,
+        warmup_ratio=tc.warmup_frac,
+        total_steps=tc.steps,
+        weight_decay=tc.weight_decay,
+        global_batch_size=tc.batch_size,
+        micro_batch_size=tc.batch_size,
+    )
+    opt = make_optimizer(opt_cfg, tc.steps)
+    params = init_params(cfg, tc.seed)
+    opt_state = opt.init(params)
+    ckpt = Checkpointer(run_dir / "ckpt", max_to_keep=1, async_save=True)
+    start = 0
+    restored = ckpt.restore(abstract_like({"params": params, "opt": opt_state}))
+    if restored is not None:
+        start, state, _ = restored
+        params, opt_state = state["params"], state["opt"]
+    per_epoch = len(windows) // tc.batch_size
+
+    def batch_at(step):
+        epoch, i = divmod(step, per_epoch)
+        order = np.random.default_rng([tc.seed, epoch]).permutation(len(windows))
+        return windows[order[i * tc.batch_size : (i + 1) * tc.batch_size]]
+
+    log = []
+    bar = tqdm(total=tc.steps, initial=start, desc="target", disable=not progress, unit="step")
+    loss = None
+    for step in range(start, tc.steps):
+        params, opt_state, loss = _step(cfg, opt, params, opt_state, jnp.asarray(batch_at(step)))
+        if step % 20 == 0 or step == tc.steps - 1:
+            lv = float(loss)
+            log.append({"step": step, "loss": lv})
+            bar.set_postfix(loss=f"{lv:.3f}")
+        bar.update(1)
+        if tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and step + 1 < tc.steps:
+            ckpt.save(step + 1, {"params": params, "opt": opt_state}, {"kind": "target"})
+    bar.close()
+    ckpt.close()
+    if heldout_token_lists:
+        hw = pack_windows(heldout_token_lists, tc.seq_len)[: 4 * tc.batch_size]
+        ev = jax.jit(functools.partial(_loss, cfg))
+        log.append({"heldout_loss": float(ev(params, jnp.asarray(hw)))})
+    return params, log

@@ -1,0 +1,64 @@
+#!/usr/bin/env python
+"""dspark-jax pipeline: corpus → tokenizer → target → regenerate → drafters → calibrate → evaluate.
+
+    python train.py --config configs/tiny.py                       # the embedded demo
+    python train.py --config configs/tiny.py --stages evaluate     # one stage (cached inputs)
+    python train.py --config configs/qwen3_4b_dspark.py --set target.path=/models/Qwen3-4B ...
+
+Every stage caches its output in the run directory and resumes; `--set key=value` overrides any
+config field (unknown keys are errors); the final report is `<run_dir>/evaluate/report.{md,json}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+
+
+def load_config(path: str):
+    ns = runpy.run_path(path)
+    if "config" not in ns:
+        raise SystemExit(f"{path} must define a function config() returning a PipelineConfig")
+    return ns["config"]()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--config", default="configs/tiny.py", help="preset file with config()")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set drafters.steps=100 (repeatable)",
+    )
+    ap.add_argument("--stages", default="", help="comma-separated subset of stages to run")
+    ap.add_argument("--force", default="", help="comma-separated stages to redo even if cached")
+    ap.add_argument("--run-dir", default="", help="override run_dir")
+    args = ap.parse_args(argv)
+
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from dspark_jax.config import ConfigError
+    from dspark_jax.pipeline_config import apply_overrides
+    from dspark_jax.train.pipeline import STAGES, Pipeline, stage_summary
+
+    try:
+        cfg = load_config(args.config)
+        sets = list(args.set) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
+        cfg = apply_overrides(cfg, sets)
+        stages = tuple(s for s in args.stages.split(",") if s) or STAGES
+        force = tuple(s for s in args.force.split(",") if s)
+        pipe = Pipeline(cfg)
+        pipe.run_stages(stages, force=force)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(stage_summary(pipe))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
