@@ -1,0 +1,340 @@
+"""Released DeepSeek drafter checkpoints (Hugging Face safetensors) <-> our drafter params.
+
+    cfg, params = load_hf_drafter("/ckpt/dspark_qwen3_4b_block7", target=target_cfg)
+    save_hf_drafter(cfg, params, "/out/my-drafter")   # the same layout back
+
+Names are the PyTorch module paths of the reference drafters, without a "model." prefix
+(REFERENCE §2.1, §3, §5.1). Linear weights are [out, in] there and [in, out] (`kernel`) here, so
+they are transposed; embeddings, the Markov table W1 and norms are not:
+
+    embed_tokens.weight [V, H]                      frozen.embed_tokens
+    lm_head.weight [V, H]                           frozen.lm_head            [H, V]
+    fc.weight [H, m·H]                              fc.kernel
+    hidden_norm.weight, norm.weight                 (DSpark/DFlash; Eagle3: layers.0.hidden_norm)
+    layers.i.{input_layernorm,post_attention_layernorm}.weight
+    layers.i.self_attn.{q,k,v,o}_proj.weight (+ .bias for Qwen2), .{q,k}_norm.weight (Qwen3)
+    layers.i.mlp.{gate,up,down}_proj.weight
+    markov_head.markov_w1.weight [V, r]             markov_head.markov_w1     [V, r]
+    markov_head.markov_w2.weight [V, r]             markov_head.markov_w2.kernel [r, V]
+    markov_head.gate_proj.{weight [r, H+r], bias}   (gated head)
+    markov_head.joint_proj.{weight [3r, 2r+H], bias}  (RNN head)
+    confidence_head.proj.weight [1, H+r], .bias [1]
+
+Every check (config fields, tensor names, shapes, dtypes) runs on config.json and the safetensors
+headers before any weight is read; a failure raises `CheckpointError` naming the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from dspark_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dspark_jax.drafters.api import graphdef, init_params
+from dspark_jax.drafters.common import DrafterParams
+from dspark_jax.models.hf import (
+    _FLOAT_DTYPES,
+    _NP_DTYPE,
+    SAFETENSORS,
+    CheckpointError,
+    _atomic,
+    _headers,
+    _to_host,
+    _weight_files,
+    _write_text,
+    config_from_hf,
+    hf_config_dict,
+    read_hf_config,
+)
+
+_ARCH_PREFIX = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def hf_drafter_name(path: tuple) -> tuple[str, bool]:
+    """(HF tensor name, transposed?) for one of our flat drafter parameter paths."""
+    parts = [str(p) for p in path]
+    if parts in (["embed_tokens"], ["markov_head", "markov_w1"]):
+        return ".".join(parts) + ".weight", False
+    if parts == ["lm_head"]:
+        return "lm_head.weight", True
+    transpose = parts[-1] == "kernel"
+    if transpose:
+        parts[-1] = "weight"
+    return ".".join(parts), transpose
+
+
+def expected_drafter_tensors(cfg: DrafterConfig) -> dict[str, tuple[str, tuple, tuple, bool]]:
+    """HF name -> (collection "trainable"|"frozen", our path, HF shape, transposed?)."""
+    abstract = nnx.eval_shape(lambda: init_params(cfg))
+    out = {}
+    for coll, state in (("trainable", abstract.trainable), ("frozen", abstract.frozen)):
+        for path, var in nnx.to_flat_state(state):
+            name, transpose = hf_drafter_name(path)
+            shape = tuple(var.get_value().shape)
+            out[name] = (coll, path, shape[::-1] if transpose else shape, transpose)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# config
+
+
+def drafter_config_from_hf(
+    hf: Mapping[str, Any], target: TargetConfig | None = None, *, dtype: str = "float32", **kw
+) -> DrafterConfig:
+    """The DrafterConfig of a drafter `config.json` (a copy of the target config with the
+    drafter's layer count and the DSpark/Eagle3 fields).
+
+    `target` is the target's config; without it, it is rebuilt from the drafter config using
+    `num_target_layers`. `kw` overrides training-only fields (loss weights, num_anchors, ...).
+    """
+    hf = dict(hf)
+    archs = " ".join(hf.get("architectures") or [])
+    if "Eagle3" in archs or "ttt_length" in hf:
+        kind = "eagle3"
+    elif "DSpark" in archs or "block_size" in hf:
+        rank = int(hf.get("markov_rank", 0))
+        kind = "dspark" if rank or hf.get("enable_confidence_head") else "dflash"
+    else:
+        raise CheckpointError(
+            f"config.json architectures {archs or None!r} is not a DSpark/DFlash/Eagle3 drafter "
+            "(expected e.g. Qwen3DSparkModel or Qwen3Eagle3Model)"
+        )
+    for need in ("target_layer_ids",):
+        if need not in hf:
+            raise CheckpointError(f"drafter config.json lacks {need!r}")
+    layer_ids = tuple(int(i) for i in hf["target_layer_ids"])
+    if target is None:
+        if "num_target_layers" not in hf:
+            raise CheckpointError(
+                "drafter config.json has no num_target_layers: pass target=<the target's "
+                "TargetConfig> to load_hf_drafter"
+            )
+        t = dict(hf, num_hidden_layers=int(hf["num_target_layers"]), tie_word_embeddings=False)
+        t["architectures"] = [
+            a.replace("DSparkModel", "ForCausalLM").replace("Eagle3Model", "ForCausalLM")
+            for a in hf.get("architectures") or []
+        ]
+        target = config_from_hf(t, dtype=dtype, target_layer_ids=layer_ids)
+    _check_target(hf, target, layer_ids)
+    fields: dict[str, Any] = dict(num_layers=int(hf["num_hidden_layers"]), dtype=dtype)
+    if kind == "eagle3":
+        fields.update(
+            block_size=int(hf.get("ttt_length", 7)),
+            step_loss_decay=float(hf.get("step_loss_decay", 0.8)),
+        )
+    else:
+        rank = int(hf.get("markov_rank", 0))
+        conf = bool(hf.get("enable_confidence_head", False))
+        fields.update(
+            block_size=int(hf.get("block_size", 7)),
+            mask_token_id=int(hf["mask_token_id"]),
+            num_anchors=int(hf.get("num_anchors", 512)),
+            markov_rank=rank,
+            confidence_head=conf,
+            confidence_with_markov=conf and bool(hf.get("confidence_head_with_markov", False)),
+        )
+        if rank:
+            fields["markov_head_type"] = str(hf.get("markov_head_type", "vanilla")).lower()
+    fields.update(kw)
+    try:
+        return getattr(DrafterConfig, kind)(target, **fields)
+    except ConfigError as e:
+        raise CheckpointError(f"drafter config.json: {e}") from e
+
+
+def _check_target(hf: Mapping[str, Any], target: TargetConfig, layer_ids) -> None:
+    """The drafter must copy its target's shapes and read its feature layers."""
+    pairs = {
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads,
+        "intermediate_size": target.intermediate_size,
+    }
+    if "head_dim" in hf:
+        pairs["head_dim"] = target.head_dim
+    bad = {k: (hf[k], v) for k, v in pairs.items() if k in hf and int(hf[k]) != v}
+    if bad:
+        detail = ", ".join(f"{k}: drafter {a} vs target {b}" for k, (a, b) in bad.items())
+        raise CheckpointError(
+            f"drafter is incompatible with the target ({detail}); load the drafter trained for "
+            "this target"
+        )
+    if tuple(layer_ids) != tuple(target.target_layer_ids):
+        raise CheckpointError(
+            f"drafter reads target layers {tuple(layer_ids)} but the target config captures "
+            f"{tuple(target.target_layer_ids)}: build the target with "
+            f"target_layer_ids={tuple(layer_ids)}"
+        )
+    if "num_target_layers" in hf and int(hf["num_target_layers"]) != target.num_layers:
+        raise CheckpointError(
+            f"drafter was trained for a {hf['num_target_layers']}-layer target, the target has "
+            f"{target.num_layers} layers"
+        )
+
+
+def hf_drafter_config_dict(cfg: DrafterConfig, dtype: str | None = None) -> dict[str, Any]:
+    """The drafter's `config.json` (the target config with the drafter overrides)."""
+    d = hf_config_dict(cfg.target, dtype or cfg.dtype)
+    d.pop("dspark_target_layer_ids", None)
+    prefix = _ARCH_PREFIX[cfg.target.architecture]
+    d.update(
+        architectures=[prefix + ("Eagle3Model" if cfg.kind == "eagle3" else "DSparkModel")],
+        num_target_layers=cfg.target.num_layers,
+        num_hidden_layers=cfg.num_layers,
+        tie_word_embeddings=False,
+        layer_types=["full_attention"] * cfg.num_layers,
+        target_layer_ids=list(cfg.target.target_layer_ids),
+    )
+    if cfg.kind == "eagle3":
+        d.update(ttt_length=cfg.block_size, step_loss_decay=cfg.step_loss_decay)
+    else:
+        d.update(
+            block_size=cfg.block_size,
+            mask_token_id=cfg.mask_token_id,
+            num_anchors=cfg.num_anchors,
+            markov_rank=cfg.markov_rank,
+            enable_confidence_head=cfg.confidence_head,
+        )
+        if cfg.markov_rank:
+            d["markov_head_type"] = cfg.markov_head_type
+        if cfg.confidence_head:
+            d["confidence_head_with_markov"] = cfg.confidence_with_markov
+    return d
+
+
+# ------------------------------------------------------------------------------------------------
+# tensors
+
+
+def _strip_prefix(headers: dict) -> tuple[dict, str]:
+    """Accept checkpoints saved from a wrapper module ("model." on every name)."""
+    names = list(headers)
+    if names and all(n.startswith("model.") for n in names):
+        return {n[len("model.") :]: v for n, v in headers.items()}, "model."
+    return headers, ""
+
+
+def check_drafter_tensors(cfg: DrafterConfig, headers: Mapping, path: str = "<checkpoint>"):
+    """CheckpointError unless `headers` (HF name -> (shape, dtype)) hold exactly the tensors
+    `cfg` needs, with the right shapes and float dtypes."""
+    expected = expected_drafter_tensors(cfg)
+    present = {n for n in headers if not n.endswith(_IGNORED_SUFFIXES)}
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected))
+    what = f"a {cfg.kind} drafter (r={cfg.markov_rank}, {cfg.num_layers} layers)"
+    if missing:
+        raise CheckpointError(
+            f"missing tensors in {path!r}: {len(missing)} of {len(expected)} expected for {what} "
+            f"are absent, e.g. {missing[:6]}; is config.json for this checkpoint?"
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"unexpected tensors in {path!r} that {what} does not have: {len(unexpected)}, e.g. "
+            f"{unexpected[:6]}; check markov_rank / markov_head_type / enable_confidence_head / "
+            "num_hidden_layers in config.json"
+        )
+    for name, (_, _, shape, _) in expected.items():
+        got, dt = headers[name]
+        if tuple(got) != shape:
+            raise CheckpointError(
+                f"shape mismatch for {name}: the config implies {shape}, checkpoint has "
+                f"{tuple(got)}"
+            )
+        if dt not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{name} has dtype {dt}; only float tensors can be loaded")
+    return expected
+
+
+def load_hf_drafter(
+    path: str | os.PathLike,
+    target: TargetConfig | None = None,
+    cfg: DrafterConfig | None = None,
+    *,
+    dtype: str = "float32",
+    **overrides,
+) -> tuple[DrafterConfig, DrafterParams]:
+    """Load a drafter checkpoint directory (config.json + model.safetensors or shards).
+
+    `cfg` given: its shapes are checked against the tensors (config.json is not needed).
+    Otherwise the config comes from config.json and `target` (see `drafter_config_from_hf`);
+    `overrides` set training-only fields. Returns (cfg, DrafterParams) with the frozen
+    embedding / head from the checkpoint.
+    """
+    path = os.fspath(path)
+    if dtype not in _NP_DTYPE:
+        raise CheckpointError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    if cfg is None:
+        cfg = drafter_config_from_hf(read_hf_config(path), target, dtype=dtype, **overrides)
+    elif target is not None and target != cfg.target:
+        raise CheckpointError("cfg.target differs from the target passed; pass one of them")
+    files = _weight_files(path)
+    headers, prefix = _strip_prefix(_headers(files))
+    expected = check_drafter_tensors(cfg, headers, path)
+    np_dtype = _NP_DTYPE[cfg.dtype]
+    flat: dict[str, list] = {"trainable": [], "frozen": []}
+    abstract = nnx.eval_shape(lambda: init_params(cfg))
+    absvars = {
+        coll: dict(nnx.to_flat_state(getattr(abstract, coll))) for coll in ("trainable", "frozen")
+    }
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, "numpy")) for f in set(files.values())}
+        for name, (coll, p, _, transpose) in expected.items():
+            a = np.asarray(handles[files[prefix + name]].get_tensor(prefix + name))
+            a = np.ascontiguousarray(a.T if transpose else a).astype(np_dtype)
+            flat[coll].append((p, absvars[coll][p].replace(jnp.asarray(a))))
+    params = DrafterParams(
+        nnx.from_flat_state(flat["trainable"]), nnx.from_flat_state(flat["frozen"])
+    )
+    graphdef(cfg)  # the structure must merge; raises early if it does not
+    return cfg, params
+
+
+def save_hf_drafter(
+    cfg: DrafterConfig, params: DrafterParams, out_dir: str | os.PathLike, *, dtype=None
+) -> str:
+    """Write config.json + model.safetensors in the released layout (frozen tensors included,
+    as the reference's `save_pretrained`). Atomic per file; process 0 writes. Returns out_dir."""
+    import jax
+
+    out_dir = os.fspath(out_dir)
+    dtype = dtype or cfg.dtype
+    if dtype not in _NP_DTYPE:
+        raise CheckpointError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    tensors = {}
+    for state in params:
+        for p, var in nnx.to_flat_state(state):
+            name, transpose = hf_drafter_name(p)
+            a = _to_host(var.get_value())
+            tensors[name] = np.ascontiguousarray(a.T if transpose else a).astype(_NP_DTYPE[dtype])
+    check_drafter_tensors(cfg, {n: (t.shape, "F32") for n, t in tensors.items()}, "<params>")
+    if jax.process_index() != 0:
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    _atomic(out_dir, SAFETENSORS, lambda f: save_file(tensors, f, metadata={"format": "pt"}))
+    text = json.dumps(hf_drafter_config_dict(cfg, dtype), indent=2) + "\n"
+    _atomic(out_dir, "config.json", lambda f: _write_text(f, text))
+    return out_dir
+
+
+__all__ = [
+    "CheckpointError",
+    "check_drafter_tensors",
+    "drafter_config_from_hf",
+    "expected_drafter_tensors",
+    "hf_drafter_config_dict",
+    "hf_drafter_name",
+    "load_hf_drafter",
+    "save_hf_drafter",
+]
