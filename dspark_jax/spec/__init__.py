@@ -4,7 +4,9 @@ Depends on jax / numpy only (no model code), so research code can import it alon
 
 * :mod:`~dspark_jax.spec.sampling` - logits -> the exact sampling distribution (temperature,
   top-k, top-p, min-p as per-row arrays; greedy as a static mode) and host-side validation.
-* :mod:`~dspark_jax.spec.verify` - jitted rejection-sampling verification of a chain of drafts.
+* :mod:`~dspark_jax.spec.verify` - jitted rejection-sampling verification of a chain of drafts
+  (``from dspark_jax.spec.verify import verify``; the package does not re-export the name
+  ``verify`` so that it keeps naming the module).
 * :mod:`~dspark_jax.spec.rng` - the (stream, request seed, position) key convention.
 * :mod:`~dspark_jax.spec.metrics` - τ, conditional acceptance vs prefix survival, verify rate,
   ECE / AUROC / Brier of confidences.
@@ -38,7 +40,6 @@ from dspark_jax.spec.sampling import (
 from dspark_jax.spec.verify import (
     acceptance_prob,
     residual_dist,
-    verify,
     verify_core,
     verify_distributions,
 )
@@ -72,7 +73,6 @@ __all__ = [
     "stream_key",
     "transform_logits",
     "validate_sampling_params",
-    "verify",
     "verify_core",
     "verify_distributions",
 ]

@@ -29,6 +29,7 @@ always the request axis ``B`` that the ``[B]`` parameters index.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -209,16 +210,21 @@ def check_logits(logits, name: str = "logits", valid=None) -> None:
     """
     if isinstance(logits, jax.core.Tracer):
         raise TypeError(f"check_logits({name}) needs concrete values; call it outside jit")
-    x = jnp.asarray(logits)
-    bad = jnp.any(jnp.isnan(x) | (x == jnp.inf), axis=-1)  # [...]
+    bad = np.asarray(_nan_or_posinf(jnp.asarray(logits)))  # [...]
     if valid is not None:
-        bad = bad & jnp.asarray(valid)
-    if bool(jnp.any(bad)):
-        where = np.argwhere(np.asarray(bad))[:4].tolist()
+        bad = bad & np.asarray(valid)
+    if np.any(bad):
+        where = np.argwhere(bad)[:4].tolist()
         raise ValueError(
             f"{name} contain NaN or +inf at (row, ...) positions {where}; the model produced "
             "invalid logits (check the checkpoint dtype / overflow) - refusing to sample from them"
         )
+
+
+@jax.jit
+def _nan_or_posinf(x: jax.Array) -> jax.Array:
+    """[..., V] -> [...] bool: the row holds a NaN or +inf (one compiled reduction)."""
+    return jnp.any(jnp.isnan(x) | (x == jnp.inf), axis=-1)
 
 
 def _rows(x: jax.Array, ndim: int) -> jax.Array:
@@ -233,6 +239,7 @@ def _point_mass_logits(x: jax.Array) -> jax.Array:
     return jnp.where(vocab_ids == top, 0.0, -jnp.inf).astype(x.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
 def transform_logits(
     logits: jax.Array, params: SamplingParams | None, cfg: SamplingConfig
 ) -> jax.Array:
@@ -245,7 +252,7 @@ def transform_logits(
 
     Returns:
       ``[B, ..., V]`` float logits; ``softmax`` of them is the distribution tokens are drawn from.
-      Traceable; never raises (validate first).
+      Jitted (``cfg`` static), also traceable inside other jitted code; never raises.
     """
     x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # [B, ..., V]
     if cfg.greedy:
@@ -280,6 +287,7 @@ def transform_logits(
     return jnp.where(greedy_row, _point_mass_logits(x), out)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
 def probs_from_logits(
     logits: jax.Array, params: SamplingParams | None, cfg: SamplingConfig
 ) -> jax.Array:
@@ -287,6 +295,7 @@ def probs_from_logits(
     return jax.nn.softmax(transform_logits(logits, params, cfg), axis=-1)
 
 
+@jax.jit
 def sample_from_logits(keys: jax.Array, logits: jax.Array) -> jax.Array:
     """One token per row from ``softmax(logits)``; ``keys`` [B] (one key per row), logits [B, V].
 
@@ -295,6 +304,7 @@ def sample_from_logits(keys: jax.Array, logits: jax.Array) -> jax.Array:
     return jax.vmap(lambda k, z: jax.random.categorical(k, z))(keys, logits).astype(jnp.int32)
 
 
+@jax.jit
 def sample_from_probs(keys: jax.Array, probs: jax.Array) -> jax.Array:
     """One token per row from ``probs`` [B, V] (rows need not be normalised); keys [B]."""
     return sample_from_logits(keys, jnp.log(probs))

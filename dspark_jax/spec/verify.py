@@ -166,6 +166,12 @@ def verify_core(
 _verify_jit = jax.jit(verify_core, static_argnames=("cfg",))
 
 
+@jax.jit
+def _bad_probs(p: jax.Array) -> jax.Array:
+    """[..., V] -> [...] bool: NaN or negative entries."""
+    return jnp.any(jnp.isnan(p) | (p < 0), axis=-1)
+
+
 def _check_inputs(target_logits, draft_tokens, draft_probs, lengths, rng, params, cfg):
     """Shape and value checks at the API boundary (host side, may sync with the device)."""
     if not isinstance(cfg, SamplingConfig):
@@ -215,8 +221,7 @@ def _check_inputs(target_logits, draft_tokens, draft_probs, lengths, rng, params
     if np.any(used & ((drafts < 0) | (drafts >= vocab))):
         raise ValueError(f"draft_tokens at admitted slots must lie in 0..{vocab - 1}")
     if draft_probs is not None and not cfg.greedy:
-        probs_bad = jnp.any(jnp.isnan(draft_probs) | (draft_probs < 0), axis=-1)
-        if bool(jnp.any(probs_bad & jnp.asarray(used))):
+        if np.any(np.asarray(_bad_probs(draft_probs)) & used):
             raise ValueError("draft_probs at admitted slots contain NaN or negative values")
 
 
