@@ -136,7 +136,7 @@ def param_shardings(params: nnx.State, mesh: Mesh, rules: dict | None = None) ->
     """
 
     def one(v):
-        shape = np.shape(v.get_value()) if hasattr(v, "get_value") else np.shape(v.value)
+        shape = v.get_value().shape  # a jax.Array or, for abstract states, a ShapeDtypeStruct
         logical = v.get_metadata().get("logical")
         if logical is None:
             spec = PartitionSpec()
