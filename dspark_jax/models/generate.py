@@ -1,0 +1,448 @@
+"""Batched autoregressive generation with the target model over its static KV cache.
+
+    outs = generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=32)          # greedy
+    outs = generate(cfg, params, prompts, max_new_tokens=32, seeds=[7, 8],
+                    sampling=validate_sampling_params([0.7, 1.0], top_p=0.9))
+
+Static shapes: the batch is padded to a batch bucket, prompts are right-padded to a length bucket
+and the KV cache gets `S` = the smallest length bucket that holds every prompt plus its new
+tokens (so attention reads only that many positions, not the model's maximum). Everything a
+request varies within its buckets (prompt tokens and lengths, max new tokens, stop ids, seeds,
+temperature / top-k / top-p / min-p) is an array, so a warm engine never recompiles for it.
+Greedy vs sampled, and which sampling stages exist at all, are static (`SamplingConfig`).
+
+Randomness: the token at position `p` of the request with seed `s` is drawn with key
+`fold_in(fold_in(key, s), p)`, so a request's output depends on neither the other rows of its
+batch nor on padding.
+
+The loop: after one prefill of all rows at once, the decode steps run inside one jitted
+`lax.while_loop` (one dispatch per batch; finished rows are masked, the loop exits when every row
+is done). The alternative, a jitted one-step function driven from the host (`loop="host"`), is
+kept for measurement; on this 2-core CPU the device loop is faster (see
+benchmarks/vs_transformers.py, which measures both).
+
+Building blocks reused by the speculative engine: `prefill` / `prefill_jit` (prompt K/V and the
+last prompt token's logits), `extend` / `extend_jit` (T new tokens per row from each row's
+committed length, verification style, not committed), `token_keys` and `sample_tokens`.
+
+Shapes are written as suffixes: B batch (bucket), P prompt bucket, S cache length, T new tokens,
+V vocab, K stop ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.config import TargetConfig
+from dspark_jax.models import transformer as tf
+from dspark_jax.models.validate import RequestError, check_request_fits
+from dspark_jax.spec.sampling import (
+    SamplingConfig,
+    SamplingParams,
+    sample_from_logits,
+    transform_logits,
+    validate_sampling_params,
+)
+
+__all__ = [
+    "DEFAULT_BATCH_BUCKETS",
+    "DEFAULT_LENGTH_BUCKETS",
+    "DecodeState",
+    "bucket_size",
+    "decode_step",
+    "decode_step_jit",
+    "extend",
+    "extend_jit",
+    "generate",
+    "generate_jit",
+    "prefill",
+    "prefill_jit",
+    "sample_tokens",
+    "start",
+    "start_jit",
+    "token_keys",
+]
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_LENGTH_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 ... 32768
+_PAD_TOKEN = 0
+_MIN_STOP_BUCKET = 4
+
+
+def bucket_size(n: int, buckets: Sequence[int], what: str = "size") -> int:
+    """The smallest bucket >= n; RequestError if n exceeds the largest one."""
+    for b in sorted(buckets):
+        if b >= n:
+            return int(b)
+    raise RequestError(
+        f"{what} {n} exceeds the largest bucket {max(buckets)}; pass larger buckets "
+        f"(e.g. {what.split()[0]}_buckets=(..., {1 << max(n - 1, 0).bit_length()}))"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# building blocks (pure; jitted versions below)
+
+
+def _lm_logits(cfg: TargetConfig, params: nnx.State, hidden_BxTxH: jax.Array) -> jax.Array:
+    return tf.build(cfg, params).logits(hidden_BxTxH)
+
+
+def prefill(
+    cfg: TargetConfig,
+    params: nnx.State,
+    tokens_BxP: jax.Array,
+    lengths_B: jax.Array,
+    cache: tf.KVCache,
+) -> tuple[jax.Array, tf.ForwardOut, tf.KVCache]:
+    """Write the K/V of right-padded prompts and return the last prompt token's logits.
+
+    Static: cfg, shapes. Arrays: params, tokens_BxP (right-padded), lengths_B (>= 1), cache.
+    Every row is fed at positions 0..P-1 from an empty slot; K/V written past a row's length are
+    padding that the row's next token overwrites before anything reads it (transformer contract).
+    Returns (logits_BxV fp32 at position lengths-1, ForwardOut without logits (features and hidden
+    [B, P, ...], padding included), cache committed to `lengths_B`).
+    """
+    b, p = tokens_BxP.shape
+    positions_BxP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    out, cache = tf.forward(cfg, params, tokens_BxP, positions_BxP, cache, compute_logits=False)
+    last_BxH = out.hidden[jnp.arange(b), lengths_B - 1]
+    logits_BxV = _lm_logits(cfg, params, last_BxH[:, None, :])[:, 0]
+    return logits_BxV, out, cache.with_lengths(lengths_B)
+
+
+def extend(
+    cfg: TargetConfig,
+    params: nnx.State,
+    tokens_BxT: jax.Array,
+    cache: tf.KVCache,
+    *,
+    compute_logits: bool = True,
+) -> tuple[tf.ForwardOut, tf.KVCache]:
+    """Feed T tokens per row at positions `cache.lengths + [0, T)` (decode / verification).
+
+    Static: cfg, compute_logits, shapes. Arrays: params, tokens_BxT, cache.
+    The lengths are NOT advanced: the caller commits the accepted prefix with
+    `cache.with_lengths(...)`; K/V of rejected tokens stay in place and are overwritten later.
+    """
+    t = tokens_BxT.shape[1]
+    positions_BxT = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return tf.forward(cfg, params, tokens_BxT, positions_BxT, cache, compute_logits=compute_logits)
+
+
+def token_keys(key: jax.Array, seeds_B: jax.Array, positions_B: jax.Array) -> jax.Array:
+    """Per-row keys `fold_in(fold_in(key, seed), position)` [B]: independent of batch layout."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(key, s), p))(
+        seeds_B, positions_B
+    )
+
+
+def sample_tokens(
+    logits_BxV: jax.Array,
+    key: jax.Array,
+    seeds_B: jax.Array,
+    positions_B: jax.Array,
+    sampling: SamplingParams | None,
+    scfg: SamplingConfig,
+) -> jax.Array:
+    """Draw the token at `positions_B` for each row [B] int32.
+
+    Static: scfg. Arrays: logits_BxV, key, seeds_B, positions_B, sampling ([B] knobs; unused and
+    may be None when `scfg.greedy`). Greedy takes the argmax (first index on ties).
+    """
+    if scfg.greedy:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    z_BxV = transform_logits(logits_BxV, sampling, scfg)
+    return sample_from_logits(token_keys(key, seeds_B, positions_B), z_BxV)
+
+
+class DecodeState(NamedTuple):
+    """Loop carry of the decode loop (all arrays; the cache is updated in place)."""
+
+    cache: tf.KVCache  # committed lengths = position of last_B
+    last_B: jax.Array  # int32, last sampled token, not yet fed to the model
+    tokens_BxS: jax.Array  # int32, generated token at position p stored at [b, p]
+    num_new_B: jax.Array  # int32, tokens generated so far (last_B included)
+    done_B: jax.Array  # bool, row finished (stop token sampled or max_new reached)
+
+
+class _Request(NamedTuple):
+    """Per-row request arrays, constant during the loop."""
+
+    max_new_B: jax.Array  # int32 >= 0 (0 = padding row)
+    stop_K: jax.Array  # int32 stop ids, padded with -1
+    key: jax.Array  # base PRNG key
+    seeds_B: jax.Array  # uint32
+    sampling: SamplingParams | None
+
+
+def _record(state: DecodeState, tok_B, pos_B, req: _Request) -> DecodeState:
+    """Store freshly sampled tokens at pos_B for rows still running and update done flags."""
+    live_B = ~state.done_B
+    s = state.tokens_BxS.shape[1]
+    rows = jnp.arange(tok_B.shape[0])
+    tokens = state.tokens_BxS.at[rows, jnp.where(live_B, pos_B, s)].set(tok_B, mode="drop")
+    num_new = state.num_new_B + live_B.astype(jnp.int32)
+    stopped = jnp.any(tok_B[:, None] == req.stop_K[None, :], axis=-1)
+    done = state.done_B | (live_B & (stopped | (num_new >= req.max_new_B)))
+    last = jnp.where(live_B, tok_B, state.last_B)
+    return state._replace(last_B=last, tokens_BxS=tokens, num_new_B=num_new, done_B=done)
+
+
+def start(
+    cfg: TargetConfig,
+    params: nnx.State,
+    tokens_BxP: jax.Array,
+    lengths_B: jax.Array,
+    req: _Request,
+    *,
+    scfg: SamplingConfig,
+    cache_len: int,
+) -> DecodeState:
+    """Allocate the cache, prefill every row and sample each row's first new token.
+
+    Static: cfg, scfg, cache_len (S), shapes. Arrays: params, tokens_BxP, lengths_B, req.
+    """
+    b = tokens_BxP.shape[0]
+    cache = tf.init_cache(cfg, b, cache_len)
+    logits_BxV, _, cache = prefill(cfg, params, tokens_BxP, lengths_B, cache)
+    tok_B = sample_tokens(logits_BxV, req.key, req.seeds_B, lengths_B, req.sampling, scfg)
+    state = DecodeState(
+        cache=cache.with_lengths(lengths_B - 1),  # position of last_B once it is set
+        last_B=jnp.zeros((b,), jnp.int32),
+        tokens_BxS=jnp.zeros((b, cache_len), jnp.int32),
+        num_new_B=jnp.zeros((b,), jnp.int32),
+        done_B=req.max_new_B <= 0,
+    )
+    state = _record(state, tok_B, lengths_B, req)
+    # Rows that just recorded their first token advance to its position.
+    cache = state.cache.with_lengths(lengths_B - 1 + state.num_new_B)
+    return state._replace(cache=cache)
+
+
+def decode_step(
+    cfg: TargetConfig, params: nnx.State, state: DecodeState, req: _Request, *, scfg
+) -> DecodeState:
+    """Feed every row's last token at its position, sample the next one, record it.
+
+    Static: cfg, scfg, shapes. Arrays: params, state (donated in the jitted version), req.
+    Finished rows still compute (their K/V write lands at their own uncommitted position) but
+    record nothing and do not advance.
+    """
+    cache = state.cache
+    pos_B = cache.lengths  # position of last_B
+    out, cache = tf.forward(cfg, params, state.last_B[:, None], pos_B[:, None], cache)
+    tok_B = sample_tokens(out.logits[:, 0], req.key, req.seeds_B, pos_B + 1, req.sampling, scfg)
+    live_B = ~state.done_B
+    state = _record(state._replace(cache=cache), tok_B, pos_B + 1, req)
+    return state._replace(cache=cache.with_lengths(pos_B + live_B.astype(jnp.int32)))
+
+
+def _generate(cfg, params, tokens_BxP, lengths_B, req, *, scfg, cache_len):
+    """Prefill + `lax.while_loop` decode; returns (tokens_BxS, num_new_B)."""
+    state = start(cfg, params, tokens_BxP, lengths_B, req, scfg=scfg, cache_len=cache_len)
+
+    def cond(carry):
+        i, st = carry
+        return (i < cache_len) & ~jnp.all(st.done_B)
+
+    def body(carry):
+        i, st = carry
+        return i + 1, decode_step(cfg, params, st, req, scfg=scfg)
+
+    _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    return state.tokens_BxS, state.num_new_B
+
+
+generate_jit = jax.jit(_generate, static_argnames=("cfg", "scfg", "cache_len"))
+generate_jit.__doc__ = """Whole generation in one dispatch: prefill then a device-side while loop.
+
+Static: cfg, scfg, cache_len, shapes (B, P, K). Arrays: params, tokens_BxP, lengths_B, req.
+Returns tokens_BxS (token at position p stored at [b, p]) and num_new_B.
+"""
+start_jit = jax.jit(start, static_argnames=("cfg", "scfg", "cache_len"))
+decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "scfg"), donate_argnames=("state",))
+prefill_jit = jax.jit(prefill, static_argnames=("cfg",), donate_argnames=("cache",))
+extend_jit = jax.jit(extend, static_argnames=("cfg", "compute_logits"), donate_argnames=("cache",))
+
+
+# ------------------------------------------------------------------------------------------------
+# host API
+
+
+def _as_sampling(sampling, n: int) -> SamplingParams | None:
+    if sampling is None:
+        return None
+    if isinstance(sampling, SamplingParams):
+        fields = sampling._asdict()
+    elif isinstance(sampling, Mapping):
+        fields = dict(sampling)
+    else:
+        raise TypeError(
+            "sampling must be None (greedy), a SamplingParams or a dict with temperature / "
+            f"top_k / top_p / min_p; got {type(sampling).__name__}"
+        )
+    host = {k: np.asarray(v) for k, v in fields.items()}
+    return validate_sampling_params(**host, batch_size=n)
+
+
+def _per_request(name: str, value, n: int) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim == 0:
+        arr = np.full((n,), arr)
+    if arr.shape != (n,):
+        raise RequestError(f"{name} must be an int or one per prompt ({n}), got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise RequestError(f"{name} must be integers, got {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def generate(
+    cfg: TargetConfig,
+    params: nnx.State,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    sampling: SamplingParams | Mapping | None = None,
+    sampling_config: SamplingConfig | None = None,
+    stop_ids: Sequence[int] = (),
+    seeds: Sequence[int] | None = None,
+    key: jax.Array | int = 0,
+    batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+    length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+    loop: str = "device",
+) -> list[list[int]]:
+    """Generate continuations for a list of token-id prompts; returns the new tokens per prompt.
+
+    Args:
+      prompts: non-empty lists of token ids in [0, vocab).
+      max_new_tokens: >= 1, one for all or one per prompt.
+      sampling: None for greedy; else per-request knobs (`SamplingParams` or a dict of
+        temperature / top_k / top_p / min_p, scalars or one per prompt), validated here.
+      sampling_config: the static sampling stages; default `SamplingConfig.for_params(sampling)`.
+        Pin it (e.g. all stages on) to keep one compiled program across requests that toggle
+        top-k / top-p.
+      stop_ids: token ids that end a request; the stop token is included in its output.
+      seeds: one integer per prompt (default: its index); with `key` they fix the randomness.
+      key: base PRNG key or an int seed for it.
+      batch_buckets / length_buckets: static sizes. Batches above the largest batch bucket are
+        split; the cache length is a length bucket too.
+      loop: "device" (one jitted while loop) or "host" (a jitted step per token, for comparison).
+
+    Raises (before any device work): RequestError / ValueError for an empty prompt, token ids
+    outside the vocabulary, a prompt plus max_new_tokens beyond the largest length bucket or the
+    model's max_position_embeddings, bad seeds, invalid sampling parameters.
+    """
+    n = len(prompts)
+    if n == 0:
+        return []
+    if loop not in ("device", "host"):
+        raise ValueError(f"loop must be 'device' or 'host', got {loop!r}")
+    lens = np.array([len(p) for p in prompts], np.int64)
+    max_new = _per_request("max_new_tokens", max_new_tokens, n)
+    if np.any(max_new < 1):
+        raise RequestError(f"max_new_tokens must be >= 1, got {max_new[max_new < 1][:4].tolist()}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise RequestError(f"request {i} has an empty prompt; give at least one token")
+        a = np.asarray(p)
+        if a.dtype.kind not in "iu" or a.min() < 0 or a.max() >= cfg.vocab_size:
+            raise RequestError(
+                f"prompt {i} must hold integer token ids in [0, {cfg.vocab_size}); got "
+                f"dtype {a.dtype}, range [{a.min()}, {a.max()}]"
+            )
+    max_cache = min(max(length_buckets), cfg.max_position_embeddings)
+    for i in range(n):
+        check_request_fits(
+            prompt_lens=[int(lens[i])], max_new_tokens=int(max_new[i]), max_len=max_cache, cfg=cfg
+        )
+    stop = np.asarray(list(stop_ids), np.int64).reshape(-1)
+    if stop.size and (stop.min() < 0 or stop.max() >= cfg.vocab_size):
+        raise RequestError(f"stop_ids must lie in [0, {cfg.vocab_size}), got {stop.tolist()}")
+    seeds_arr = _per_request("seeds", np.arange(n) if seeds is None else seeds, n)
+    if np.any((seeds_arr < 0) | (seeds_arr >= 2**32)):
+        raise RequestError("seeds must lie in [0, 2**32)")
+    sp = _as_sampling(sampling, n)
+    if sp is not None and sampling_config is None and SamplingConfig.for_params(sp).greedy:
+        sp = None  # all rows at temperature 0: the static greedy mode gives the same tokens
+    if sp is None:
+        if sampling_config is not None and not sampling_config.greedy:
+            raise ValueError("sampling_config is sampled but sampling=None (greedy) was given")
+        scfg = SamplingConfig(greedy=True)
+    else:
+        scfg = sampling_config or SamplingConfig.for_params(sp)
+        why = scfg.covers(sp)
+        if why:
+            raise ValueError(why)
+    if isinstance(key, (int, np.integer)):
+        key = jax.random.key(key)
+
+    chunk = max(batch_buckets)
+    k_stop = max(_MIN_STOP_BUCKET, 1 << max(stop.size - 1, 0).bit_length())
+    stop_K = np.full((k_stop,), -1, np.int32)
+    stop_K[: stop.size] = stop
+    outs: list[list[int]] = []
+    for lo in range(0, n, chunk):
+        idx = np.arange(lo, min(lo + chunk, n))
+        outs.extend(
+            _run_bucket(
+                cfg, params, [prompts[i] for i in idx], lens[idx], max_new[idx], stop_K,
+                seeds_arr[idx], key,
+                None if sp is None else SamplingParams(*(np.asarray(f)[idx] for f in sp)),
+                scfg, batch_buckets, length_buckets, loop,
+            )
+        )  # fmt: skip
+    return outs
+
+
+def _run_bucket(
+    cfg, params, prompts, lens, max_new, stop_K, seeds, key, sp, scfg, batch_buckets,
+    length_buckets, loop,
+):  # fmt: skip
+    n = len(prompts)
+    b = bucket_size(n, batch_buckets, "batch size")
+    p = bucket_size(int(lens.max()), length_buckets, "length of prompt")
+    s = bucket_size(int((lens + max_new).max()), length_buckets, "length of prompt + new tokens")
+    s = min(s, cfg.max_position_embeddings)
+    tokens = np.full((b, p), _PAD_TOKEN, np.int32)
+    for i, pr in enumerate(prompts):
+        tokens[i, : len(pr)] = pr
+    lengths = np.ones((b,), np.int32)
+    lengths[:n] = lens
+    mx = np.zeros((b,), np.int32)  # padding rows: done before they start
+    mx[:n] = max_new
+    sd = np.zeros((b,), np.uint32)
+    sd[:n] = seeds
+    sampling = None
+    if sp is not None:
+        pad = (1.0, 0, 1.0, 0.0)
+        sampling = SamplingParams(
+            *(np.concatenate([f, np.full((b - n,), v, f.dtype)]) for f, v in zip(sp, pad))
+        )
+    req = _Request(mx, stop_K, key, sd, sampling)
+    if loop == "device":
+        toks, num = generate_jit(cfg, params, tokens, lengths, req, scfg=scfg, cache_len=s)
+    else:
+        toks, num = _generate_host(cfg, params, tokens, lengths, req, scfg, s)
+    toks, num = np.asarray(toks), np.asarray(num)
+    return [toks[i, lens[i] : lens[i] + num[i]].tolist() for i in range(n)]
+
+
+def _generate_host(cfg, params, tokens, lengths, req, scfg, cache_len, sync_every: int = 8):
+    """Host-driven loop: one jitted step per token, `done` read back every `sync_every` steps."""
+    req = jax.device_put(req)
+    state = start_jit(cfg, params, tokens, lengths, req, scfg=scfg, cache_len=cache_len)
+    steps = 0
+    while steps < cache_len:
+        for _ in range(sync_every):
+            state = decode_step_jit(cfg, params, state, req, scfg=scfg)
+        steps += sync_every
+        if bool(jnp.all(state.done_B)):
+            break
+    return state.tokens_BxS, state.num_new_B
