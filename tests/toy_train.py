@@ -99,12 +99,17 @@ def toy_loss(trainable, frozen, batch, rng, *, keep_prob: float = 0.8):
 
 
 def make_samples(n: int, vocab: int, lengths=(12, 30), seed: int = 0, empty_every: int = 0):
-    """Random token sequences with a supervised tail (the 'assistant' part)."""
+    """Learnable token sequences (x_{t+1} = 5 x_t + 17 mod V from a random start) with a
+    supervised tail (the 'assistant' part)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
         length = int(rng.integers(lengths[0], lengths[1] + 1))
-        ids = rng.integers(0, vocab, size=length).astype(np.int32)
+        ids = np.empty(length, np.int64)
+        ids[0] = rng.integers(0, vocab)
+        for t in range(1, length):
+            ids[t] = (5 * ids[t - 1] + 17) % vocab
+        ids = ids.astype(np.int32)
         mask = np.zeros(length, np.uint8)
         if not (empty_every and i % empty_every == empty_every - 1):
             mask[length // 3 :] = 1
@@ -116,3 +121,56 @@ def make_samples(n: int, vocab: int, lengths=(12, 30), seed: int = 0, empty_ever
 def tiny_target(seed: int = 0):
     cfg = tiny_target_config()
     return cfg, transformer.init_params(cfg, seed)
+
+
+def base_config(**overrides):
+    """Small, fp32, single-bucket training config used across the trainer tests."""
+    from dspark_jax.config import TrainConfig
+
+    base = dict(
+        global_batch_size=4,
+        micro_batch_size=2,
+        seq_buckets=(32,),
+        total_steps=6,
+        warmup_ratio=0.34,
+        learning_rate=1e-2,
+        eval_interval=0,
+        checkpoint_interval=0,
+        compute_dtype="float32",
+        progress_bar=False,
+        log_interval=1,
+        async_checkpoint=True,
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def one_device_mesh():
+    from dspark_jax import parallel
+    from dspark_jax.config import MeshConfig
+
+    return parallel.make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
+
+
+def toy_trainer(run_dir, cfg=None, *, n_train=20, n_eval=0, mesh=None, resume=True, **kw):
+    """A Trainer over the toy drafter and the tiny target (online features)."""
+    from dspark_jax.train.trainer import Trainer
+
+    tcfg, tparams = tiny_target()
+    trainable, frozen = toy_params(tcfg, tparams)
+    if "train_data" not in kw:
+        kw["train_data"] = make_samples(n_train, tcfg.vocab_size)
+    if "eval_data" not in kw:
+        kw["eval_data"] = make_samples(n_eval, tcfg.vocab_size, seed=1) if n_eval else None
+    return Trainer(
+        cfg or base_config(),
+        toy_loss,
+        trainable,
+        frozen,
+        run_dir=run_dir,
+        target_cfg=tcfg,
+        target_params=tparams,
+        mesh=mesh or one_device_mesh(),
+        resume=resume,
+        **kw,
+    )

@@ -289,7 +289,6 @@ def _micro_rng(base_key, step, micro):
     return jax.random.fold_in(jax.random.fold_in(base_key, step), micro)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("grad_acc", "metric_acc"))
 def train_micro_step(
     spec, trainable, frozen, target_params, grad_acc, metric_acc, batch, base_key, step, micro
 ):
@@ -309,11 +308,6 @@ def train_micro_step(
     return grad_acc, metric_acc
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("train_cfg", "total_steps"),
-    donate_argnames=("trainable", "opt_state", "grad_acc", "metric_acc"),
-)
 def train_apply_step(train_cfg, total_steps, trainable, opt_state, grad_acc, metric_acc, step):
     """Mean gradient over the step's micro-batches, clip, AdamW update (compiled once).
 
@@ -334,13 +328,48 @@ def train_apply_step(train_cfg, total_steps, trainable, opt_state, grad_acc, met
     return trainable, opt_state, zero(grad_acc), zero(metric_acc), metrics
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
 def eval_step(spec, trainable, frozen, target_params, batch, base_key, index):
     """Loss metrics of one held-out batch (no gradient). Static: `spec`, batch shape."""
     lb = _loss_batch(spec, target_params, batch)
     rng = jax.random.fold_in(jax.random.fold_in(base_key, _EVAL_STREAM), index)
     loss, metrics = spec.loss.fn(_cast_floats(trainable, spec.compute_dtype), frozen, lb, rng)
     return dict(metrics, loss=loss)
+
+
+def _zeros_f32(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+
+
+class _TreeKey:
+    """A pytree of shardings as a hashable key (treedef + leaves)."""
+
+    def __init__(self, tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        self.key = (treedef, tuple(leaves))
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, _TreeKey) and self.key == other.key
+
+
+_JITS: dict = {}
+
+
+def _jitted(fn, static, donate, out_shardings):
+    """`jax.jit(fn)` with fixed output shardings, shared by every Trainer with the same layout.
+
+    Pinning the outputs to the very sharding objects the inputs were placed with keeps the
+    arguments' shardings identical from call to call, so each step compiles once per shape
+    (without it, `P()` vs `P(None, None)` spellings of the same layout would retrace).
+    """
+    key = (fn, static, donate, _TreeKey(out_shardings))
+    if key not in _JITS:
+        _JITS[key] = jax.jit(
+            fn, static_argnames=static, donate_argnames=donate, out_shardings=out_shardings
+        )
+    return _JITS[key]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -357,10 +386,11 @@ class TrainResult:
     resumed_from: int | None
 
 
-def _shard(tree, mesh):
+def _shardings(tree, mesh):
+    """Per-leaf NamedShardings: the logical-axis table for an `nnx.State`, else replicated."""
     if isinstance(tree, nnx.State):
-        return parallel.shard_params(tree, mesh)
-    return jax.device_put(tree, parallel.replicated(mesh))
+        return parallel.param_shardings(tree, mesh)
+    return jax.tree.map(lambda _: parallel.replicated(mesh), tree)
 
 
 class Trainer:
@@ -466,13 +496,36 @@ class Trainer:
         # ---- state
         self.is_main = jax.process_index() == 0
         cdt = self.spec.compute_dtype
-        self.trainable = _shard(_cast_floats(trainable, jnp.float32), self.mesh)
-        self.frozen = _shard(_cast_floats(frozen, cdt), self.mesh)
-        self.target_params = (
-            None if target_params is None else _shard(_cast_floats(target_params, cdt), self.mesh)
-        )
+        repl = parallel.replicated(self.mesh)
+        param_sh = _shardings(trainable, self.mesh)
+        self.trainable = jax.device_put(_cast_floats(trainable, jnp.float32), param_sh)
+        self.frozen = jax.device_put(_cast_floats(frozen, cdt), _shardings(frozen, self.mesh))
+        self.target_params = None
+        if target_params is not None:
+            self.target_params = jax.device_put(
+                _cast_floats(target_params, cdt), _shardings(target_params, self.mesh)
+            )
         tx = make_optimizer(cfg, self.total_steps)
-        self.opt_state = jax.jit(tx.init)(self.trainable)
+        # Adam moments live where their parameters live; counters are replicated.
+        opt_sh = optax.tree_utils.tree_map_params(
+            tx,
+            lambda _, sh: sh,
+            jax.eval_shape(tx.init, self.trainable),
+            param_sh,
+            transform_non_params=lambda _: repl,
+        )
+        self.opt_state = jax.jit(tx.init, out_shardings=opt_sh)(self.trainable)
+        self._zeros = _jitted(_zeros_f32, (), (), param_sh)
+        self._micro = _jitted(
+            train_micro_step, ("spec",), ("grad_acc", "metric_acc"), (param_sh, repl)
+        )
+        self._apply = _jitted(
+            train_apply_step,
+            ("train_cfg", "total_steps"),
+            ("trainable", "opt_state", "grad_acc", "metric_acc"),
+            (param_sh, opt_sh, param_sh, repl, repl),
+        )
+        self._eval = _jitted(eval_step, ("spec",), (), repl)
         self.base_key = jax.random.key(cfg.seed)
         self.step = 0
         self.best_score: float | None = None
@@ -627,9 +680,7 @@ class Trainer:
     # -- training ----------------------------------------------------------------------------------
 
     def _init_accumulators(self, batch):
-        grad_acc = jax.jit(lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), t))(
-            self.trainable
-        )
+        grad_acc = self._zeros(self.trainable)
         if self._metric_keys is None:
             spec = self.spec
 
@@ -688,7 +739,7 @@ class Trainer:
                 batch = self._device_batch(self.train_source, mb)
                 if grad_acc is None:
                     grad_acc, metric_acc = self._init_accumulators(batch)
-                grad_acc, metric_acc = train_micro_step(
+                grad_acc, metric_acc = self._micro(
                     self.spec,
                     self.trainable,
                     self.frozen,
@@ -701,7 +752,7 @@ class Trainer:
                     np.int32(a),
                 )
                 tokens += int(self.train_source.lengths[mb.indices[mb.indices >= 0]].sum())
-            self.trainable, self.opt_state, grad_acc, metric_acc, metrics = train_apply_step(
+            self.trainable, self.opt_state, grad_acc, metric_acc, metrics = self._apply(
                 self.spec.train,
                 self.total_steps,
                 self.trainable,
@@ -741,7 +792,7 @@ class Trainer:
         for i, mb in enumerate(self.eval_plan):
             batch = self._device_batch(self.eval_source, mb)
             m = jax.device_get(
-                eval_step(
+                self._eval(
                     self.spec,
                     self.trainable,
                     self.frozen,
