@@ -47,7 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.spec import rng as rng_lib
-from dspark_jax.spec.sampling import SamplingConfig, SamplingParams, check_logits, probs_from_logits
+from dspark_jax.spec.sampling import (
+    SamplingConfig,
+    SamplingParams,
+    check_logits,
+    transform_logits,
+)
 
 __all__ = [
     "RESIDUAL_EPS",
@@ -87,6 +92,11 @@ def _row_select(x: jax.Array, idx: jax.Array) -> jax.Array:
     """x [B, N, ...], idx [B] -> x[b, idx[b]] (idx clipped into range)."""
     idx = jnp.clip(idx, 0, x.shape[1] - 1)
     return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+
+
+def _target_probs(z: jax.Array, lse: jax.Array) -> jax.Array:
+    """z [..., V] transformed logits, lse [...] their logsumexp -> probabilities [..., V]."""
+    return jnp.exp(z - lse[..., None])
 
 
 def _leading_run(accepted: jax.Array) -> jax.Array:
@@ -136,22 +146,25 @@ def verify_core(
         num_accepted = _leading_run(accepted)
         return num_accepted, _row_select(top, num_accepted)
 
-    pt = probs_from_logits(target_logits, params, cfg)  # [B, L+1, V]
+    # p_t = exp(z - logsumexp z): acceptance needs p_t only at the drafts and the next token
+    # only the row at A, so the full [B, L+1, V] distribution is never materialised.
+    z = transform_logits(target_logits, params, cfg)  # [B, L+1, V]
+    lse = jax.nn.logsumexp(z, axis=-1)  # [B, L+1]
     key, seeds, positions = rng
     if num_slots == 0:
         num_accepted = jnp.zeros((batch,), jnp.int32)
-        next_dist = pt[:, 0]  # [B, V]
+        next_dist = _target_probs(z[:, 0], lse[:, 0])  # [B, V]
     else:
-        pd = _draft_probs_or_one_hot(draft_tokens, draft_probs, vocab, pt.dtype)  # [B, L, V]
-        pt_d = _take(pt[:, :num_slots], draft_tokens)  # [B, L]
+        pd = _draft_probs_or_one_hot(draft_tokens, draft_probs, vocab, z.dtype)  # [B, L, V]
+        pt_d = jnp.exp(_take(z[:, :num_slots], draft_tokens) - lse[:, :num_slots])  # [B, L]
         pd_d = _take(pd, draft_tokens)  # [B, L]
         slot_positions = positions.astype(jnp.int32)[:, None] + 1 + slot[None, :]  # [B, L]
         keys = rng_lib.position_keys(key, rng_lib.ACCEPT, seeds, slot_positions)  # [B, L]
-        u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, dtype=pt.dtype)))(keys)  # [B, L]
+        u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, dtype=z.dtype)))(keys)  # [B, L]
         # u * p_d < p_t  <=>  u < min(1, p_t / p_d) for p_d > 0, without dividing.
         accepted = valid & (u * pd_d < pt_d)
         num_accepted = _leading_run(accepted)  # [B]
-        pt_next = _row_select(pt, num_accepted)  # [B, V]
+        pt_next = _target_probs(_row_select(z, num_accepted), _row_select(lse, num_accepted))
         pd_next = _row_select(pd, jnp.minimum(num_accepted, num_slots - 1))  # [B, V]
         bonus = (num_accepted == lengths)[:, None]
         next_dist = jnp.where(bonus, pt_next, residual_dist(pt_next, pd_next))  # [B, V]
@@ -290,7 +303,8 @@ def verify_distributions(
         accept = (valid & (draft_tokens == top[:, :num_slots])).astype(jnp.float32)
         next_dist = jax.nn.one_hot(top, vocab, dtype=jnp.float32)  # [B, L+1, V]
         return accept, jnp.where(reachable, next_dist, 0.0)
-    pt = probs_from_logits(target_logits, params, cfg)  # [B, L+1, V]
+    z = transform_logits(target_logits, params, cfg)  # [B, L+1, V]
+    pt = _target_probs(z, jax.nn.logsumexp(z, axis=-1))  # same formula as verify_core
     pd = _draft_probs_or_one_hot(draft_tokens, draft_probs, vocab, pt.dtype)  # [B, L, V]
     accept = acceptance_prob(_take(pt[:, :num_slots], draft_tokens), _take(pd, draft_tokens))
     accept = jnp.where(valid, accept, 0.0)  # [B, L]
