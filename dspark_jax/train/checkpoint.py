@@ -14,14 +14,16 @@ returns once the arrays are copied off the accelerator; `wait` blocks until the 
 
 Restore never returns silent garbage: a step directory lacking orbax's commit files, one that
 orbax cannot read, or one whose restored arrays do not match the saved fingerprint is skipped
-with a `CheckpointWarning` in favour of the previous good step; if every step is bad,
-`CheckpointError` says so and which directory to remove.
+with a `CheckpointWarning` in favour of the previous good step (the skipped newer steps are
+renamed `<step>.corrupt-<time>`, so the resumed run can write those steps again); if every step
+is bad, `CheckpointError` says so and which directory to remove.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -142,6 +144,24 @@ class Checkpointer:
             )
         return state, meta
 
+    def _quarantine(self, bad_steps: list[int]) -> None:
+        """Rename skipped steps newer than the restored one to `<step>.corrupt-<time>` (kept for
+        inspection, never listed again), so the resumed run can save those steps afresh."""
+        if not bad_steps:
+            return
+        if jax.process_index() == 0:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for b in bad_steps:
+                src = self.directory / str(b)
+                if src.exists():
+                    src.rename(self.directory / f"{b}.corrupt-{stamp}")
+                    log.warning("moved bad checkpoint %s aside to %s.corrupt-%s", src, b, stamp)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("dspark_checkpoint_quarantine")
+        self._mgr.reload()
+
     def restore(self, abstract_state, step: int | None = None):
         """`(step, state, meta)` of the newest good step (or exactly `step`); None if empty.
 
@@ -182,6 +202,8 @@ class Checkpointer:
                     stacklevel=2,
                 )
                 continue
+            if step is None:
+                self._quarantine([b for b in present if b > s])
             return s, state, meta
         raise CheckpointError(
             f"no usable checkpoint in {self.directory}: "
