@@ -1,7 +1,10 @@
 """Cost profile, prefix-scheduling policies (with hypothesis properties) and STS calibration."""
 
+import ast
 import itertools
 import json
+import pathlib
+import sys
 import time
 
 import hypothesis.extra.numpy as hnp
@@ -396,3 +399,20 @@ def test_sts_positions_without_data_and_serialisation(tmp_path):
         STS((1.0, 1.0)).apply(np.ones((1, 3)))
     with pytest.raises(ValueError, match="> 0"):
         STS((1.0, -1.0))
+
+
+def test_pure_packages_import_no_model_code():
+    """spec/ and sched/ depend on jax, numpy and the standard library only (DESIGN §2)."""
+    root = pathlib.Path(__file__).resolve().parents[1] / "dspark_jax"
+    allowed = {"jax", "numpy"} | set(sys.stdlib_module_names)
+    for path in [*root.glob("spec/*.py"), *root.glob("sched/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                own = name.startswith(("dspark_jax.spec", "dspark_jax.sched"))
+                assert own or name.split(".")[0] in allowed, f"{path.name} imports {name}"

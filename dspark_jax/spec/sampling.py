@@ -132,7 +132,10 @@ def _as_rows(name: str, value, batch_size: int | None, dtype) -> np.ndarray:
         if arr.ndim == 1 and arr.shape[0] != batch_size:
             raise ValueError(f"{name} has {arr.shape[0]} rows but the batch has {batch_size}")
         arr = np.broadcast_to(arr, (batch_size,))
-    return arr.astype(dtype, copy=False) if arr.dtype != object else arr
+    try:
+        return arr.astype(dtype)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be numeric, got {value!r}") from e
 
 
 def _bad_rows(mask: np.ndarray) -> str:
