@@ -73,9 +73,14 @@ class BlockDrafter(nnx.Module):
         ctx_kv: per layer (k, v) [B, S, n_kv, d_h] (training: the sequence's own context;
         inference: the context cache). Block n sees context entries < ctx_len[b, n] and itself.
         """
-        b, n, g = ids_BxNxG.shape
+        x = embed(self.embed_tokens[...], ids_BxNxG)
+        return self.blocks_from_embeddings(ctx_kv, ctx_len_BxN, keep_BxN, x, pos_BxNxG)
+
+    def blocks_from_embeddings(self, ctx_kv, ctx_len_BxN, keep_BxN, x_BxNxGxH, pos_BxNxG):
+        """`blocks` on input embeddings [B, N, G, H] (differentiable inputs, for tests)."""
+        b, n, g = pos_BxNxG.shape
         pos = pos_BxNxG.reshape(b, n * g)
-        x = embed(self.embed_tokens[...], ids_BxNxG).reshape(b, n * g, -1)
+        x = x_BxNxGxH.reshape(b, n * g, -1)
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
             attn = layer.self_attn
             u = layer.input_layernorm(x)
