@@ -102,6 +102,7 @@ def test_greedy_mode_and_temperature_zero_rows_are_point_masses():
     [
         (dict(temperature=-0.1), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=1e-9), "temperature"),
         (dict(temperature=1.0, top_p=0.0), "top_p"),
         (dict(temperature=1.0, top_p=1.5), "top_p"),
         (dict(temperature=1.0, top_k=-1), "top_k"),

@@ -81,15 +81,20 @@ def test_accept_decisions_follow_key_convention():
         r["cfg"],
     )
     key, seeds, pos = r["rng"]
-    slot_pos = pos[:, None] + 1 + jnp.arange(3)[None, :]
-    keys = R.position_keys(key, R.ACCEPT, seeds, slot_pos)
-    u = np.asarray(jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))(keys))
+
+    @jax.jit
+    def uniforms(key, seeds, pos):
+        slot_pos = pos[:, None] + 1 + jnp.arange(3)[None, :]
+        keys = R.position_keys(key, R.ACCEPT, seeds, slot_pos)
+        return jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))(keys)
+
+    u = np.asarray(uniforms(key, seeds, pos))
     ok = (u < np.asarray(alpha)) & (np.arange(3)[None, :] < r["lengths"][:, None])
     want_acc = np.cumprod(ok, axis=1).sum(1)
     np.testing.assert_array_equal(acc, want_acc)
-    next_keys = R.position_keys(key, R.SAMPLE, seeds, pos + 1 + jnp.asarray(acc))
     law = jnp.asarray(np.asarray(dist)[np.arange(24), acc])
-    np.testing.assert_array_equal(nxt, np.asarray(S.sample_from_probs(next_keys, law)))
+    draw = jax.jit(lambda p: S.sample_from_probs(R.position_keys(key, R.SAMPLE, seeds, p), law))
+    np.testing.assert_array_equal(nxt, np.asarray(draw(pos + 1 + jnp.asarray(acc))))
 
 
 def test_zero_length_round_equals_plain_sampling():
@@ -99,7 +104,8 @@ def test_zero_length_round_equals_plain_sampling():
     acc, nxt = run(r)
     key, seeds, pos = r["rng"]
     probs = S.probs_from_logits(jnp.asarray(r["target_logits"][:, 0]), r["params"], r["cfg"])
-    plain = S.sample_from_probs(R.position_keys(key, R.SAMPLE, seeds, pos + 1), probs)
+    keys = jax.jit(R.position_keys, static_argnums=1)(key, R.SAMPLE, seeds, pos + 1)
+    plain = S.sample_from_probs(keys, probs)
     assert np.all(acc == 0)
     np.testing.assert_array_equal(nxt, np.asarray(plain))
 

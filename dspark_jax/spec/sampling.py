@@ -48,6 +48,9 @@ __all__ = [
 ]
 
 
+MIN_TEMPERATURE = 1e-4
+
+
 class SamplingParams(NamedTuple):
     """Per-request sampling knobs; every field is a ``[B]`` array (a pytree, never static).
 
@@ -155,7 +158,7 @@ def validate_sampling_params(
     """Check per-request sampling knobs on the host and pack them as ``[B]`` arrays.
 
     Args (scalars broadcast to ``[B]``; ``B`` is ``batch_size`` or the length of any array arg):
-      temperature: >= 0 and finite; 0 means greedy for that row.
+      temperature: 0 (greedy for that row) or finite and >= ``MIN_TEMPERATURE`` (1e-4).
       top_k: integer >= 0; 0 = off.
       top_p: in (0, 1]; 1 = off.
       min_p: in [0, 1]; 0 = off.
@@ -173,10 +176,11 @@ def validate_sampling_params(
     k_raw = _as_rows("top_k", top_k, batch_size, np.float64)
     p = _as_rows("top_p", top_p, batch_size, np.float64)
     m = _as_rows("min_p", min_p, batch_size, np.float64)
-    if np.any(~np.isfinite(t) | (t < 0)):
+    bad_t = ~np.isfinite(t) | (t < 0) | ((t > 0) & (t < MIN_TEMPERATURE))
+    if np.any(bad_t):
         raise ValueError(
-            f"temperature must be finite and >= 0 (0 = greedy); bad {_bad_rows(~np.isfinite(t) | (t < 0))}: "
-            f"{t[~np.isfinite(t) | (t < 0)][:8].tolist()}"
+            f"temperature must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE} (smaller ones "
+            f"overflow the scaled logits); bad {_bad_rows(bad_t)}: {t[bad_t][:8].tolist()}"
         )
     bad_k = ~np.isfinite(k_raw) | (k_raw < 0) | (k_raw != np.round(k_raw))
     if np.any(bad_k):
