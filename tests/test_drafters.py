@@ -10,7 +10,7 @@ from scipy import stats
 
 from dspark_jax.config import ConfigError, DrafterConfig
 from dspark_jax.drafters import api
-from dspark_jax.drafters.dflash import BlockContext, extend_block_context, init_block_context
+from dspark_jax.drafters.dflash import extend_block_context, init_block_context
 from dspark_jax.drafters.dspark import propose_block, teacher_forced
 from dspark_jax.drafters.eagle3 import (
     extend_eagle3_context,
@@ -119,86 +119,99 @@ def test_loss_is_nan_safe_with_dummy_blocks_and_unsupervised_rows(target, batch)
     ],
 )
 def test_inference_matches_training(target, batch, kind, kw):
-    cfg, params, model = _model(kind, target, **kw)
+    cfg, params, _ = _model(kind, target, **kw)
     g = cfg.block_size
-    feats, ids = batch["target_features"][:1], batch["input_ids"][:1]
-    seq = ids.shape[1]
     anchors = jnp.array([[6, 13]], jnp.int32)
-    blk = make_blocks(ids, batch["loss_mask"][:1], anchors, jnp.ones((1, 2), bool), g, 255)
-    z = model.blocks(
-        model.context_kv(feats, _positions(1, seq)),
-        blk.anchors,
-        blk.keep,
-        blk.block_ids,
-        blk.positions,
-    )
-    train = teacher_forced(model, z, blk.prev_ids)
-    p_train = jax.nn.softmax(train.logits[0], -1)  # [2, γ, V]
+    first = (4, 9)  # the inference context arrives in two pieces: first[r], then the rest
 
-    # inference: row r proposes from anchor anchors[r]; the context arrives in two pieces
-    feats2 = jnp.concatenate([feats, feats])
-    first = jnp.array([4, 9])
-    ctx = extend_block_context(model, init_block_context(cfg, 2, 32), feats2, first)
-    rest = jnp.stack([jnp.roll(feats[0], -int(n), axis=0) for n in first])
-    ctx = extend_block_context(model, ctx, rest, anchors[0] - first)
-    assert isinstance(ctx, BlockContext) and list(ctx.lengths) == [6, 13]
-    forced = jnp.stack([ids[0, a + 1 : a + 1 + g] for a in (6, 13)])  # teacher forcing
-    prop = propose_block(
-        model, ctx, ids[0, anchors[0]], jax.random.key(0), jnp.array([0, 1]), forced_BxG=forced
+    @jax.jit
+    def run(params, feats, ids, lm):
+        model = api.build(cfg, params)
+        seq = ids.shape[1]
+        blk = make_blocks(ids, lm, anchors, jnp.ones((1, 2), bool), g, cfg.mask_token_id)
+        kv = model.context_kv(feats, _positions(1, seq))
+        z = model.blocks(kv, blk.anchors, blk.keep, blk.block_ids, blk.positions)
+        train = teacher_forced(model, z, blk.prev_ids)
+        # inference: row r proposes from anchor anchors[r] under teacher-forced drafts
+        feats2 = jnp.concatenate([feats, feats])
+        ctx = extend_block_context(model, init_block_context(cfg, 2, 32), feats2, jnp.array(first))
+        rest = jnp.stack([jnp.roll(feats[0], -n, axis=0) for n in first])
+        ctx = extend_block_context(model, ctx, rest, anchors[0] - jnp.array(first))
+        forced = jnp.stack([ids[0, a + 1 : a + 1 + g] for a in (6, 13)])
+        prop = propose_block(
+            model, ctx, ids[0, anchors[0]], jax.random.key(0), jnp.array([0, 1]), forced_BxG=forced
+        )
+        return jax.nn.softmax(train.logits[0], -1), train.conf_logits, prop, ctx.lengths
+
+    p_train, conf_train, prop, lengths = run(
+        params, batch["target_features"][:1], batch["input_ids"][:1], batch["loss_mask"][:1]
     )
+    assert list(lengths) == [6, 13]
     np.testing.assert_allclose(prop.probs, p_train, atol=2e-6)
     if cfg.confidence_head:
-        np.testing.assert_allclose(prop.conf_logits, train.conf_logits[0], atol=2e-5)
+        np.testing.assert_allclose(prop.conf_logits, conf_train[0], atol=2e-5)
     else:
-        assert prop.conf_logits is None
+        assert prop.conf_logits is None and conf_train is None
 
 
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 def test_markov_heads_parallel_equals_sequential(target, head):
-    cfg, _, model = _model("dspark", target, markov_head_type=head)
-    mh = model.markov_head
+    cfg, params, _ = _model("dspark", target, markov_head_type=head)
     b, n, g, h = 2, 3, cfg.block_size, cfg.hidden_size
     z = jax.random.normal(jax.random.key(1), (b, n, g, h))
     prev = jax.random.randint(jax.random.key(2), (b, n, g), 0, cfg.vocab_size)
-    bias, e = mh.teacher_forced(prev, z)
+
+    @jax.jit
+    def run(params, z, prev):
+        mh = api.build(cfg, params).markov_head
+        bias, e = mh.teacher_forced(prev, z)
+        state, seq = mh.init_state((b, n), z.dtype), []
+        for k in range(g):
+            state, bk, ek = mh.step(state, prev[..., k], z[..., k, :])
+            seq.append((bk, ek))
+        return bias, e, seq, mh.teacher_forced(prev, z + 1.0)[0]
+
+    bias, e, seq, bias_z2 = run(params, z, prev)
     assert bias.shape == (b, n, g, cfg.vocab_size) and bias.dtype == jnp.float32
     assert e.shape == (b, n, g, cfg.markov_rank)
-    state = mh.init_state((b, n), z.dtype)
-    for k in range(g):
-        state, bk, ek = mh.step(state, prev[..., k], z[..., k, :])
+    for k, (bk, ek) in enumerate(seq):
         np.testing.assert_allclose(bias[..., k, :], bk, atol=1e-6)
         np.testing.assert_allclose(e[..., k, :], ek)
     # the bias depends on z exactly when the head reads it
-    bias_z2, _ = mh.teacher_forced(prev, z + 1.0)
     assert np.allclose(bias_z2, bias) == (head == "vanilla")
 
 
 def test_eagle3_ttt_matches_inference(target, batch):
-    cfg, params, model = _model("eagle3", target)
+    cfg, params, _ = _model("eagle3", target)
     g = cfg.block_size
-    feats, ids = batch["target_features"][:1], batch["input_ids"][:1]
-    seq = ids.shape[1]
-    steps = ttt_hidden(model, feats, ids, jnp.array([seq]))  # [γ, 1, L, H]
-    p_ttt = jax.nn.softmax(model.logits(steps[:, 0]), -1)  # [γ, L, V]
     ts = [5, 12]  # the anchor x_{t+1} follows the last committed feature t
-    feats2 = jnp.concatenate([feats, feats])
-    nxt = jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1)
-    nxt2 = jnp.concatenate([nxt, nxt])
-    ctx = extend_eagle3_context(
-        model, init_eagle3_context(cfg, 2, 32), feats2, nxt2, jnp.array([t + 1 for t in ts])
-    )
-    forced = jnp.stack([ids[0, t + 2 : t + 2 + g] for t in ts])
-    prop = propose_eagle3(model, ctx, jax.random.key(0), jnp.array([0, 1]), forced_BxG=forced)
+
+    @jax.jit
+    def run(params, feats, ids):
+        model = api.build(cfg, params)
+        seq = ids.shape[1]
+        steps = ttt_hidden(model, feats, ids, jnp.array([seq]))  # [γ, 1, L, H]
+        p_ttt = jax.nn.softmax(model.logits(steps[:, 0]), -1)  # [γ, L, V]
+        feats2 = jnp.concatenate([feats, feats])
+        nxt = jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1)
+        nxt2 = jnp.concatenate([nxt, nxt])
+        lens = jnp.array([t + 1 for t in ts])
+        ctx = extend_eagle3_context(model, init_eagle3_context(cfg, 2, 32), feats2, nxt2, lens)
+        forced = jnp.stack([ids[0, t + 2 : t + 2 + g] for t in ts])
+        prop = propose_eagle3(model, ctx, jax.random.key(0), jnp.array([0, 1]), forced_BxG=forced)
+        # extending in two calls gives the same context as one
+        half = extend_eagle3_context(
+            model, init_eagle3_context(cfg, 2, 32), feats2, nxt2, jnp.array([3, 3])
+        )
+        rest_f, rest_n = jnp.roll(feats2, -3, axis=1), jnp.roll(nxt2, -3, axis=1)
+        two = extend_eagle3_context(model, half, rest_f, rest_n, lens - 3)
+        return p_ttt, prop, ctx, two
+
+    p_ttt, prop, ctx, two = run(params, batch["target_features"][:1], batch["input_ids"][:1])
     for r, t in enumerate(ts):
         np.testing.assert_allclose(prop.probs[r], p_ttt[:, t], atol=2e-6)
-    # extending in two calls gives the same context as one
-    half = extend_eagle3_context(
-        model, init_eagle3_context(cfg, 2, 32), feats2, nxt2, jnp.array([3, 3])
-    )
-    rest_f = jnp.roll(feats2, -3, axis=1)
-    rest_n = jnp.roll(nxt2, -3, axis=1)
-    two = extend_eagle3_context(model, half, rest_f, rest_n, jnp.array([t - 2 for t in ts]))
     np.testing.assert_allclose(two.g, ctx.g, atol=1e-5)
+    np.testing.assert_allclose(two.k, ctx.k, atol=1e-5)
     np.testing.assert_array_equal(two.lengths, ctx.lengths)
 
 
