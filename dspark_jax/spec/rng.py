@@ -11,7 +11,9 @@ Streams (one per kind of draw, so no two draws ever share a key):
 
 * ``SAMPLE`` (0): the target's token at ``position`` - plain autoregressive decoding, and the
   correction / bonus token of a speculative round. A round that verifies no drafts therefore
-  reproduces plain decoding exactly (same key, same distribution, same sampler).
+  reproduces plain decoding exactly (same key, same distribution, Gumbel-max sampler) when plain
+  decoding is keyed with ``stream_key(root, SAMPLE)`` (e.g. ``models.generate`` folds seed and
+  position into whatever key it is given: pass it ``stream_key(root, SAMPLE)``).
 * ``DRAFT`` (1): the drafter's proposal at ``position``.
 * ``ACCEPT`` (2): the uniform that accepts or rejects the draft at ``position``.
 
