@@ -182,10 +182,12 @@ def dspark_loss(cfg, trainable, frozen, batch: Batch, rng) -> tuple[jax.Array, d
         t = jax.tree.map(lambda x: x.sum(0), per_chunk)
     else:
         t = terms(blocks)
-    return _combine(cfg, t)
+    return combine_terms(cfg, t)
 
 
-def _combine(cfg: DrafterConfig, t: dict) -> tuple[jax.Array, dict]:
+def combine_terms(cfg: DrafterConfig, t: dict) -> tuple[jax.Array, dict]:
+    """(loss, metrics) from summed `block_terms` (sum them over micro-batches or devices first
+    to get one weighted mean over all of them)."""
     zero = jnp.zeros((), jnp.float32)
     ce = t["ce_num"] / (t["ce_den"] + EPS)
     l1 = t["l1_num"] / (t["l1_den"] + EPS)
@@ -296,6 +298,7 @@ def simulated_tau(accept_BxG: jax.Array, mask_BxG: jax.Array) -> jax.Array:
 __all__ = [
     "EPS",
     "block_terms",
+    "combine_terms",
     "dspark_loss",
     "eagle3_loss",
     "loss_fn",
