@@ -1,0 +1,218 @@
+"""Loading released DeepSeek drafter checkpoints: synthetic safetensors with the reference names
+(REFERENCE §2.1, §3, §5.1) and tiny shapes, plus every error a bad checkpoint can raise."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from dspark_jax.drafters import api
+from dspark_jax.drafters.hf import CheckpointError, load_hf_drafter, save_hf_drafter
+from dspark_jax.testing import tiny_drafter_config, tiny_target_config
+
+V, H, FF, NQ, NKV, D, R, M, LAYERS = 256, 64, 128, 4, 2, 16, 16, 3, 2
+
+
+def _layer(prefix, d_in=H):
+    """One Qwen3 decoder layer's tensors, HF layout ([out, in])."""
+    return {
+        f"{prefix}.input_layernorm.weight": (H,),
+        f"{prefix}.post_attention_layernorm.weight": (H,),
+        f"{prefix}.self_attn.q_proj.weight": (NQ * D, d_in),
+        f"{prefix}.self_attn.k_proj.weight": (NKV * D, d_in),
+        f"{prefix}.self_attn.v_proj.weight": (NKV * D, d_in),
+        f"{prefix}.self_attn.o_proj.weight": (H, NQ * D),
+        f"{prefix}.self_attn.q_norm.weight": (D,),
+        f"{prefix}.self_attn.k_norm.weight": (D,),
+        f"{prefix}.mlp.gate_proj.weight": (FF, H),
+        f"{prefix}.mlp.up_proj.weight": (FF, H),
+        f"{prefix}.mlp.down_proj.weight": (H, FF),
+    }
+
+
+def dspark_shapes(head="vanilla"):
+    shapes = {
+        "embed_tokens.weight": (V, H),
+        "lm_head.weight": (V, H),
+        "fc.weight": (H, M * H),
+        "hidden_norm.weight": (H,),
+        "norm.weight": (H,),
+        "markov_head.markov_w1.weight": (V, R),
+        "markov_head.markov_w2.weight": (V, R),
+        "confidence_head.proj.weight": (1, H + R),
+        "confidence_head.proj.bias": (1,),
+    }
+    if head == "gated":
+        shapes.update(
+            {"markov_head.gate_proj.weight": (R, H + R), "markov_head.gate_proj.bias": (R,)}
+        )
+    if head == "rnn":
+        shapes.update(
+            {
+                "markov_head.joint_proj.weight": (3 * R, 2 * R + H),
+                "markov_head.joint_proj.bias": (3 * R,),
+            }
+        )
+    for i in range(LAYERS):
+        shapes.update(_layer(f"layers.{i}"))
+    return shapes
+
+
+def eagle3_shapes():
+    shapes = {
+        "embed_tokens.weight": (V, H),
+        "lm_head.weight": (V, H),
+        "fc.weight": (H, M * H),
+        "norm.weight": (H,),
+        "layers.0.hidden_norm.weight": (H,),
+    }
+    shapes.update(_layer("layers.0", d_in=2 * H))
+    return shapes
+
+
+def hf_config(kind, head="vanilla", **over):
+    """A drafter config.json as the reference writes it: the target's config, overridden."""
+    d = {
+        "architectures": ["Qwen3Eagle3Model" if kind == "eagle3" else "Qwen3DSparkModel"],
+        "model_type": "qwen3",
+        "vocab_size": V,
+        "hidden_size": H,
+        "intermediate_size": FF,
+        "num_attention_heads": NQ,
+        "num_key_value_heads": NKV,
+        "head_dim": D,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "num_target_layers": 4,
+        "target_layer_ids": [0, 1, 2],
+    }
+    if kind == "eagle3":
+        d.update(num_hidden_layers=1, ttt_length=4, step_loss_decay=0.8)
+    else:
+        d.update(
+            num_hidden_layers=LAYERS,
+            block_size=4,
+            mask_token_id=V - 1,
+            num_anchors=8,
+            markov_rank=R if kind == "dspark" else 0,
+            enable_confidence_head=kind == "dspark",
+        )
+        if kind == "dspark":
+            d.update(markov_head_type=head, confidence_head_with_markov=True)
+    d.update(over)
+    return d
+
+
+def write_ckpt(path, shapes, config, prefix="", seed=0):
+    rng = np.random.default_rng(seed)
+    tensors = {prefix + k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return {k[len(prefix) :]: v for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_load_released_dspark_layout(tmp_path, head):
+    w = write_ckpt(tmp_path, dspark_shapes(head), hf_config("dspark", head))
+    cfg, params = load_hf_drafter(tmp_path, tiny_target_config())
+    assert cfg == tiny_drafter_config("dspark", markov_head_type=head)
+    tr, fr = params.trainable, params.frozen
+    np.testing.assert_array_equal(fr["embed_tokens"][...], w["embed_tokens.weight"])
+    np.testing.assert_array_equal(fr["lm_head"][...], w["lm_head.weight"].T)
+    np.testing.assert_array_equal(tr["fc"]["kernel"][...], w["fc.weight"].T)
+    np.testing.assert_array_equal(tr["hidden_norm"]["weight"][...], w["hidden_norm.weight"])
+    q = tr["layers"][1]["self_attn"]["q_proj"]["kernel"][...]
+    np.testing.assert_array_equal(q, w["layers.1.self_attn.q_proj.weight"].T)
+    mh = tr["markov_head"]
+    np.testing.assert_array_equal(mh["markov_w1"][...], w["markov_head.markov_w1.weight"])
+    np.testing.assert_array_equal(
+        mh["markov_w2"]["kernel"][...], w["markov_head.markov_w2.weight"].T
+    )
+    proj = tr["confidence_head"]["proj"]
+    np.testing.assert_array_equal(proj["kernel"][...], w["confidence_head.proj.weight"].T)
+    np.testing.assert_array_equal(proj["bias"][...], w["confidence_head.proj.bias"])
+    if head == "rnn":
+        jp = mh["joint_proj"]["kernel"][...]
+        np.testing.assert_array_equal(jp, w["markov_head.joint_proj.weight"].T)
+    # the loaded model computes: the Markov bias of token t is W2 · W1[t]
+    model = api.build(cfg, params)
+    if head == "vanilla":
+        _, bias, _ = model.markov_head.step(None, jnp.array([7]), jnp.zeros((1, H)))
+        want = w["markov_head.markov_w2.weight"] @ w["markov_head.markov_w1.weight"][7]
+        np.testing.assert_allclose(bias[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_load_dflash_and_eagle3_and_prefixed_names(tmp_path):
+    shapes = {
+        k: v for k, v in dspark_shapes().items() if "markov" not in k and "confidence" not in k
+    }
+    write_ckpt(tmp_path / "dflash", shapes, hf_config("dflash"), prefix="model.")
+    cfg, params = load_hf_drafter(tmp_path / "dflash", tiny_target_config())
+    assert cfg.kind == "dflash" and cfg.markov_rank == 0 and not cfg.confidence_head
+    w = write_ckpt(tmp_path / "eagle3", eagle3_shapes(), hf_config("eagle3"))
+    cfg, params = load_hf_drafter(tmp_path / "eagle3")  # target rebuilt from config.json
+    assert cfg.kind == "eagle3" and cfg.block_size == 4 and cfg.target.num_layers == 4
+    layer = params.trainable["layers"][0]
+    np.testing.assert_array_equal(
+        layer["hidden_norm"]["weight"][...], w["layers.0.hidden_norm.weight"]
+    )
+    assert layer["self_attn"]["k_proj"]["kernel"].shape == (2 * H, NKV * D)
+
+
+def test_save_then_load_roundtrip(tmp_path):
+    cfg = tiny_drafter_config("dspark", markov_head_type="gated")
+    params = api.init_params(cfg, seed=4)
+    save_hf_drafter(cfg, params, tmp_path)
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["architectures"] == ["Qwen3DSparkModel"]
+    cfg2, params2 = load_hf_drafter(tmp_path, cfg.target)
+    assert cfg2 == cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda s, c: s.pop("markov_head.markov_w2.weight"), "missing tensors.*markov_w2"),
+        (lambda s, c: s.update({"markov_head.gate_proj.weight": (R, H + R)}), "unexpected tensors"),
+        (lambda s, c: s.update({"fc.weight": (H, 2 * H)}), r"shape mismatch for fc.weight"),
+        (lambda s, c: s.update({"layers.2.norm.weight": (H,)}), "unexpected tensors.*layers.2"),
+        (lambda s, c: c.update(hidden_size=32), "incompatible with the target.*hidden_size"),
+        (lambda s, c: c.update(target_layer_ids=[0, 1]), "reads target layers"),
+        (lambda s, c: c.update(mask_token_id=V), "mask_token_id"),
+        (
+            lambda s, c: (c.update(architectures=["Qwen3ForCausalLM"]), c.pop("block_size")),
+            "not a DSpark",
+        ),
+        (lambda s, c: c.update(num_target_layers=36), "36-layer target"),
+    ],
+)
+def test_bad_checkpoints_raise_clear_errors(tmp_path, mutate, match):
+    shapes, config = dspark_shapes(), hf_config("dspark")
+    mutate(shapes, config)
+    write_ckpt(tmp_path, shapes, config)
+    with pytest.raises(CheckpointError, match=match):
+        load_hf_drafter(tmp_path, tiny_target_config())
+
+
+def test_missing_files_and_unknown_target(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_hf_drafter(tmp_path / "nope", tiny_target_config())
+    config = hf_config("dspark")
+    del config["num_target_layers"]
+    write_ckpt(tmp_path, dspark_shapes(), config)
+    with pytest.raises(CheckpointError, match="pass target="):
+        load_hf_drafter(tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing files"):
+        load_hf_drafter(tmp_path, tiny_target_config())
