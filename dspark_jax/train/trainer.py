@@ -481,6 +481,13 @@ class Trainer:
                     f"TrainConfig.{name}={b} must be a multiple of the mesh's data x fsdp = "
                     f"{shards} (each device gets whole sequences)"
                 )
+        if min(self.mesh.shape.values()) > 1 and jax.default_backend() == "cpu":
+            log.warning(
+                "mesh %s has data, fsdp and tensor all > 1: XLA on CPU (jax 0.10.2) computes "
+                "wrong gradients for some layouts there (tests/test_distributed.py::"
+                "test_xla_gradient_on_a_2x2x2_mesh_is_correct); prefer at most two axes > 1",
+                dict(self.mesh.shape),
+            )
         self.spec = _StepSpec(_Static(loss_fn), _compute_view(cfg), target_cfg)
         self.run_dir = Path(run_dir)
         self.sidecar = {

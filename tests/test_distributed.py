@@ -1,0 +1,128 @@
+"""Scale-out: the train step on a (data, fsdp, tensor) mesh of 8 simulated CPU devices follows the
+one-device trajectory; a checkpoint written on one mesh resumes on another; two processes joined
+by jax.distributed on localhost train, checkpoint and resume in lockstep."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from toy_train import base_config, one_device_mesh, toy_trainer
+
+from dspark_jax import parallel
+from dspark_jax.config import MeshConfig
+
+HERE = Path(__file__).parent
+
+
+def test_eight_device_mesh_matches_one_device_and_checkpoints_cross_meshes(tmp_path):
+    assert jax.device_count() >= 8, "tests/conftest.py forces 8 host devices"
+    # Adam's update g / (|g| + eps) amplifies reassociation noise in near-zero gradient entries,
+    # so trajectories agree to float tolerance (not bitwise) and the learning rate is moderate.
+    cfg = base_config(global_batch_size=8, micro_batch_size=4, total_steps=4, learning_rate=1e-3)
+    ref = toy_trainer(tmp_path / "one", cfg, mesh=one_device_mesh()).run()
+    # fsdp x tensor over 8 devices (data x fsdp x tensor all > 1 hits the XLA bug below)
+    mesh = parallel.make_mesh(MeshConfig(data=1, fsdp=2, tensor=4))
+    t = toy_trainer(tmp_path / "eight", cfg, mesh=mesh)
+    # parameters are really split by the logical-axis table, batches over data x fsdp
+    heads = t.trainable["heads"][...]
+    assert heads.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert len({d.id for d in heads.sharding.device_set}) == 8
+    part = t.run(max_steps=2)
+    t.close()
+    np.testing.assert_allclose(
+        [h["loss"] for h in part.history], [h["loss"] for h in ref.history[:2]], rtol=1e-5
+    )
+    # the 8-device checkpoint resumes on one device and continues the same trajectory
+    resumed = toy_trainer(tmp_path / "eight", cfg, mesh=one_device_mesh())
+    assert resumed.resumed_from == 2
+    rest = resumed.run()
+    resumed.close()
+    np.testing.assert_allclose(
+        [h["loss"] for h in rest.history], [h["loss"] for h in ref.history[2:]], rtol=1e-5
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="XLA (jax 0.10.2, CPU, Shardy and GSPMD) returns wrong gradients for this pattern on a "
+    "2x2x2 (data, fsdp, tensor) mesh; remove the xfail when it passes",
+)
+def test_xla_gradient_on_a_2x2x2_mesh_is_correct():
+    """Pure-JAX minimal repro of the partitioner bug that keeps the trainer tests off 2x2x2."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = parallel.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 8, 24)).astype(np.float32)
+    fc = rng.normal(size=(24, 8)).astype(np.float32) * 0.3
+    w = rng.normal(size=(8, 16)).astype(np.float32) * 0.3
+    lm = rng.normal(size=(16, 32)).astype(np.float32) * 0.3
+
+    def f(fc, w, lm, x):
+        return jax.numpy.sum(jax.numpy.tanh((jax.numpy.tanh(x @ fc) @ w) @ lm))
+
+    grad = jax.jit(jax.grad(f, argnums=(0, 1)))
+    ref = grad(fc, w, lm, x)
+    specs = (P(), P("fsdp", "tensor"), P("fsdp", "tensor"), P(("data", "fsdp")))
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((fc, w, lm, x), specs)]
+    for got, want in zip(grad(*args), ref):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_train_checkpoint_and_resume_in_lockstep(tmp_path):
+    port = _free_port()
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
+    procs, outs = [], []
+    for i in range(2):
+        out = tmp_path / f"p{i}.json"
+        outs.append(out)
+        cmd = [
+            sys.executable,
+            str(HERE / "train_subprocess.py"),
+            "distributed",
+            str(out),
+            str(port),
+            str(i),
+            str(tmp_path / "shared"),
+        ]
+        log = open(tmp_path / f"p{i}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.time() + 300
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = "\n".join((tmp_path / f"p{i}.log").read_text()[-2000:] for i in range(2))
+    assert all(p.returncode == 0 for p in procs), logs
+    r0, r1 = (json.loads(o.read_text()) for o in outs)
+    for key in ("a", "b", "c"):
+        assert r0[key] == r1[key], (key, r0[key], r1[key])  # both processes see the same losses
+    assert r0["resumed_from"] == 3 and len(r0["b"]) == 2
+    assert r0["a"] + r0["b"] == r0["c"]  # resume across processes continues exactly
+    assert all(np.isfinite(r0["c"]))
