@@ -102,7 +102,7 @@ def prefill(
 def propose_step(dcfg, scfg, dparams, state: SpecState, key, seeds_B, sp):
     """Draft γ tokens for every request. Static: dcfg, scfg."""
     return drafters.propose(
-        dcfg, dparams, state.ctx, state.anchor, key, seeds_B, (sp, scfg), scfg.greedy
+        dcfg, dparams, state.ctx, state.anchor, key, seeds_B, None if scfg.greedy else sp, scfg
     )
 
 
