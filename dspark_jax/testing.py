@@ -127,10 +127,10 @@ def drafter_batch(
 ):
     """A loss_fn batch from the target itself: random tokens, loss mask off for the first
     `prompt` tokens, online target features and final hidden state."""
-    from dspark_jax.models.transformer import forward
+    from dspark_jax.models.transformer import forward_jit
 
     ids = random_tokens(seed, (batch, length), target_cfg.vocab_size - 1)
-    out, _ = forward(target_cfg, target_params, ids, positions_like(ids), compute_logits=False)
+    out, _ = forward_jit(target_cfg, target_params, ids, positions_like(ids), compute_logits=False)
     mask = jnp.ones((batch, length), jnp.float32).at[:, :prompt].set(0.0)
     return dict(
         input_ids=ids, loss_mask=mask, target_features=out.features, target_hidden=out.hidden
