@@ -384,6 +384,8 @@ class TrainResult:
     best_score: float | None
     best_step: int | None
     resumed_from: int | None
+    tokens: int = 0  # real (unpadded) training tokens of the steps run by this call
+    seconds: float = 0.0  # wall time of those steps (with evaluations, without the final save)
 
 
 def _shardings(tree, mesh):
@@ -706,9 +708,10 @@ class Trainer:
         }
         return grad_acc, metric_acc
 
-    def run(self, max_steps: int | None = None) -> TrainResult:
+    def run(self, max_steps: int | None = None, *, save_at_end: bool = True) -> TrainResult:
         """Train until the schedule ends (or `max_steps` more steps), evaluating, logging and
-        checkpointing at the configured intervals; ends with a committed checkpoint."""
+        checkpointing at the configured intervals; ends with a committed checkpoint (unless
+        `save_at_end=False`, for benchmarks)."""
         cfg = self.cfg
         end = (
             self.total_steps if max_steps is None else min(self.total_steps, self.step + max_steps)
@@ -780,17 +783,24 @@ class Trainer:
             if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
                 flush()
                 self.save()
-        flush()
+        flush()  # fetches the last step's metrics: every dispatched step has finished
+        dt = time.perf_counter() - t0
         if bar is not None:
             bar.close()
-        if self._saved_step != self.step:
+        if save_at_end and self._saved_step != self.step:
             self.save()
         self.ckpt.wait()
         self.best_ckpt.wait()
-        dt = time.perf_counter() - t0
         log.info("trained to step %d (%.1f tokens/s)", self.step, tokens / max(dt, 1e-9))
         return TrainResult(
-            self.step, history, evals, self.best_score, self.best_step, self.resumed_from
+            self.step,
+            history,
+            evals,
+            self.best_score,
+            self.best_step,
+            self.resumed_from,
+            tokens,
+            dt,
         )
 
     def evaluate(self) -> dict[str, Any]:
