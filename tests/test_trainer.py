@@ -210,6 +210,14 @@ def test_resume_in_process_continues_the_same_trajectory(tmp_path):
     second.close()
 
 
+def test_progress_bar_shows_loss_and_eta(tmp_path, capsys):
+    t = toy_trainer(tmp_path / "run", base_config(total_steps=2, progress_bar=True))
+    t.run()
+    t.close()
+    err = capsys.readouterr().err
+    assert "train" in err and "loss=" in err and "2/2" in err and "<" in err  # elapsed<remaining
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input: clear errors before any step, nothing written
 
@@ -280,6 +288,18 @@ def test_incompatible_drafter_and_target_are_refused():
     bad_frozen = {"embed_tokens": np.zeros((100, 64)), "lm_head": np.zeros((64, 100))}
     with pytest.raises(ConfigError, match="frozen embedding"):
         check_compatible(tcfg, ok, target_params=tparams, frozen=bad_frozen)
+
+
+def test_drafter_for_another_target_is_refused_before_anything_is_written(tmp_path):
+    from dspark_jax.train.trainer import Trainer
+
+    _, tparams = tiny_target()  # vocab 256
+    other = DrafterConfig.dflash(tiny_target_config(vocab_size=300), num_layers=1, mask_token_id=1)
+    with pytest.raises(ConfigError, match="target embedding shape"):
+        Trainer.for_drafter(
+            base_config(), other, tparams, train_data=make_samples(8, 256), run_dir=tmp_path / "r"
+        )
+    assert not (tmp_path / "r").exists()
 
 
 # ------------------------------------------------------------------------------------------------
