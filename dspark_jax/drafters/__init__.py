@@ -10,12 +10,15 @@ Parameters (`DrafterParams`, a NamedTuple of two `nnx.State`s):
     with `frozen_from_target(cfg, target_params)`; it is never differentiated or updated.
   Split a built module yourself with `nnx.split(module, nnx.Param, FrozenParam)`.
 
-Training (pure; see `dspark_jax.train.losses.loss_fn` for the loss contract):
-  * DSpark/DFlash: `dspark.block_logits(cfg, params, features, input_ids, blocks)` — N_a anchor
-    blocks at once (anchor-bounded packing, REFERENCE §2.5) -> corrected draft logits,
-    confidence logits.
-  * Eagle3: `eagle3.ttt_logits(cfg, params, features, input_ids, attention_mask)` — the
-    training-time test over γ steps (REFERENCE §5.2).
+Training (pure): `dspark_jax.train.losses.loss_fn(cfg, trainable, frozen, batch, rng)` is the
+one entry point (anchor sampling, labels, target logits, loss, metrics). Its pieces:
+  * DSpark/DFlash: `BlockDrafter.context_kv(features, positions)` once per sequence, then
+    `BlockDrafter.blocks(ctx_kv, anchors, keep, block_ids, positions)` -> z [B, N_a, γ, H] for
+    N_a anchor blocks at once (anchor-bounded packing, REFERENCE §2.5), then
+    `dspark.teacher_forced(model, z, prev_ids)` -> corrected logits and confidence logits.
+  * Eagle3: `eagle3.ttt_hidden(model, features, input_ids, valid_len)` -> the γ steps of the
+    training-time test (REFERENCE §5.2); logits = `model.logits(g)`.
+  Get the module with `build(cfg, params)`.
 
 Inference (pure, jit-able; `cfg` and `scfg` static, everything else arrays):
   * `init_context(cfg, batch, max_len)` -> empty drafter context state (its own KV cache).
