@@ -442,7 +442,7 @@ class Pipeline:
         tok = self.tokenizer()
         _, cal = self._regenerated()
         prompts = tuple(tuple(encode_prompt(tok, cv.user_turns()[0]).tolist()) for cv in cal)
-        prompts = tuple(p for p in prompts if len(p) <= 256)
+        prompts = tuple(p for p in prompts if len(p) <= self.max_prompt_len(c.max_new_tokens))
         dec = self.decoder("dspark")
         g = dec.dcfg.block_size
         res = run_dataset(
@@ -477,8 +477,18 @@ class Pipeline:
         datasets = {}
         for name, (dom, turns) in sets.items():
             toks = [tuple(encode_prompt(tok, t[0]).tolist()) for t in turns]
-            toks = tuple(t for t in toks if len(t) <= 256)
-            datasets[name] = offline.EvalDataset(name, dom, toks)
+            limit = self.max_prompt_len(e.max_new_tokens)
+            kept = tuple(t for t in toks if len(t) <= limit)
+            if len(kept) < len(toks):
+                self.log(
+                    f"  {name}: {len(toks) - len(kept)} prompts longer than {limit} tokens "
+                    "skipped (raise evaluate.max_len)"
+                )
+            if not kept:
+                raise ConfigError(
+                    f"evaluation set {name!r} has no prompt that fits; raise evaluate.max_len"
+                )
+            datasets[name] = offline.EvalDataset(name, dom, kept)
         domains = {k: v.domain for k, v in datasets.items()}
         per_drafter: dict[str, dict] = {}
         calib = None

@@ -1,0 +1,140 @@
+"""train.py end to end: the micro preset (same code path as the demo) and the real-target preset
+on a tiny random Hugging Face checkpoint. Both check the report and that reruns resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark_jax.config import ConfigError
+from dspark_jax.pipeline_config import PipelineConfig, apply_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data" / "prompts"
+
+
+def _run(args, timeout=600):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one device, like a user's run
+    env["TQDM_DISABLE"] = "1"
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def _check_report(run_dir: Path, kinds=("dspark", "dflash", "eagle3")):
+    rep = json.loads((run_dir / "evaluate" / "report.json").read_text())
+    assert set(rep["tau"]) == set(kinds)
+    for k in kinds:
+        row = rep["tau"][k]
+        assert row["macro"] >= 1.0
+        assert set(row["datasets"]) == set(rep["datasets"])
+        for v in rep["per_dataset"][k].values():
+            assert v["rounds"] > 0 and 1.0 <= v["tau"]
+            assert len(v["conditional_acceptance"]) == len(v["prefix_survival"])
+    assert "dspark_vs_dflash" in rep["relative_macro_gain"]
+    assert rep["calibration"] is not None and len(rep["calibration"]["per_position"]) >= 1
+    assert rep["speed_batch1"]["speedup"] > 0
+    assert (run_dir / "evaluate" / "report.md").read_text().startswith("# dspark-jax evaluation")
+    assert (run_dir / "evaluate" / "tau.png").stat().st_size > 1000
+    return rep
+
+
+@pytest.mark.slow
+def test_micro_pipeline_end_to_end_and_resume(tmp_path):
+    run_dir = tmp_path / "micro"
+    out = _run(["--config", "configs/micro.py", "--run-dir", str(run_dir)])
+    assert "| drafter |" in out
+    _check_report(run_dir)
+    mtimes = {p: p.stat().st_mtime for p in run_dir.rglob("done.json")}
+    assert len(mtimes) == 7
+    out2 = _run(["--config", "configs/micro.py", "--run-dir", str(run_dir)])
+    expected = (
+        "corpus: cached, tokenizer: cached, target: cached, regenerate: cached, "
+        "drafters: cached, calibrate: cached, evaluate: cached"
+    )
+    assert expected in out2
+    assert all(p.stat().st_mtime == t for p, t in mtimes.items())
+    # a changed drafter setting redoes drafters and what follows, nothing before
+    out3 = _run(
+        ["--config", "configs/micro.py", "--run-dir", str(run_dir), "--set", "drafters.steps=4",
+         "--stages", "corpus,tokenizer,target,regenerate,drafters"]
+    )  # fmt: skip
+    assert "target: cached" in out3 and "regenerate: cached" in out3 and "drafters: ran" in out3
+
+
+def test_unknown_override_keys_are_errors():
+    cfg = PipelineConfig()
+    with pytest.raises(ConfigError, match="no field 'stepz'"):
+        apply_overrides(cfg, ["drafters.stepz=3"])
+    with pytest.raises(ConfigError, match="cannot parse"):
+        apply_overrides(cfg, ["drafters.steps=abc"])
+    got = apply_overrides(cfg, ["drafters.steps=7", "drafters.kinds=dspark,dflash"])
+    assert got.drafters.steps == 7 and got.drafters.kinds == ("dspark", "dflash")
+
+
+def test_cli_reports_bad_config(tmp_path):
+    env = dict(os.environ, TQDM_DISABLE="1")
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--config", "configs/micro.py", "--set",
+         "nope=1", "--run-dir", str(tmp_path / "x")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 2 and "unknown config key 'nope'" in p.stderr
+    assert not (tmp_path / "x").exists()  # nothing written before the error
+
+
+@pytest.mark.slow
+def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
+    """configs/qwen3_4b_dspark.py's code path on a tiny random Qwen3 checkpoint saved by
+    transformers, with user conversation files and DeepSpec prompt files."""
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dspark_jax.train.tokenizer import tiny_tokenizer
+
+    ckpt = tmp_path / "qwen3-tiny"
+    tok = tiny_tokenizer(tmp_path / "tokcache")
+    tok.save_pretrained(ckpt)
+    torch.manual_seed(0)
+    hf_cfg = Qwen3Config(
+        vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+    Qwen3ForCausalLM(hf_cfg).save_pretrained(ckpt)
+    conv = tmp_path / "train.jsonl"
+    rows = [
+        {"conversations": [{"role": "user", "content": f"What is {i} plus {i + 1}?"},
+                           {"role": "assistant", "content": f"{i} + {i + 1} = {2 * i + 1}."}]}
+        for i in range(40)
+    ]  # fmt: skip
+    conv.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    evals = [str(SHARED / "gsm8k.jsonl"), str(SHARED / "mt-bench.jsonl")]
+    if not all(Path(e).exists() for e in evals):
+        evals = [str(conv)]
+    run_dir = tmp_path / "run"
+    sets = [
+        f"target.path={ckpt}", "target.target_layer_ids=0,1,2",
+        f"data.conversation_files={conv}", "data.eval_prompt_files=" + ",".join(evals),
+        "regenerate.max_prompts=8", "regenerate.max_new_tokens=16", "regenerate.batch_size=8",
+        "drafters.num_layers=1", "drafters.markov_rank=16", "drafters.num_anchors=8",
+        "drafters.steps=3", "drafters.batch_size=2", "drafters.seq_len=128",
+        "drafters.eval_every=3", "calibrate.max_prompts=4", "calibrate.max_new_tokens=16",
+        "evaluate.max_prompts_per_dataset=2", "evaluate.max_new_tokens=16",
+        "evaluate.batch_size=2", "evaluate.max_len=1024", "evaluate.speed_prompts=1",
+    ]  # fmt: skip
+    args = ["--config", "configs/qwen3_4b_dspark.py", "--run-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    _run(args)
+    rep = _check_report(run_dir)
+    assert set(rep["datasets"]) == {Path(e).stem for e in evals}
