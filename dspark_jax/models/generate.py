@@ -383,32 +383,40 @@ def generate(
     if isinstance(key, (int, np.integer)):
         key = jax.random.key(key)
 
-    chunk = max(batch_buckets)
     k_stop = max(_MIN_STOP_BUCKET, 1 << max(stop.size - 1, 0).bit_length())
     stop_K = np.full((k_stop,), -1, np.int32)
     stop_K[: stop.size] = stop
+    rows = _HostRows(lens, max_new, seeds_arr, None if sp is None else [np.asarray(f) for f in sp])
+    buckets = (tuple(batch_buckets), tuple(length_buckets))
+    chunk = max(batch_buckets)
     outs: list[list[int]] = []
     for lo in range(0, n, chunk):
         idx = np.arange(lo, min(lo + chunk, n))
-        outs.extend(
-            _run_bucket(
-                cfg, params, [prompts[i] for i in idx], lens[idx], max_new[idx], stop_K,
-                seeds_arr[idx], key,
-                None if sp is None else SamplingParams(*(np.asarray(f)[idx] for f in sp)),
-                scfg, batch_buckets, length_buckets, loop,
-            )
-        )  # fmt: skip
+        sub = [prompts[i] for i in idx]
+        outs.extend(_run_bucket(cfg, params, sub, rows.take(idx), stop_K, key, scfg, buckets, loop))
     return outs
 
 
-def _run_bucket(
-    cfg, params, prompts, lens, max_new, stop_K, seeds, key, sp, scfg, batch_buckets,
-    length_buckets, loop,
-):  # fmt: skip
-    n = len(prompts)
+class _HostRows(NamedTuple):
+    """Validated per-request host arrays [n] (numpy)."""
+
+    lens: np.ndarray
+    max_new: np.ndarray
+    seeds: np.ndarray
+    sampling: list[np.ndarray] | None  # SamplingParams fields, or None for greedy
+
+    def take(self, idx) -> _HostRows:
+        sampling = None if self.sampling is None else [f[idx] for f in self.sampling]
+        return _HostRows(self.lens[idx], self.max_new[idx], self.seeds[idx], sampling)
+
+
+def _run_bucket(cfg, params, prompts, rows: _HostRows, stop_K, key, scfg, buckets, loop):
+    """Pad one chunk of requests to its buckets, run it, and cut each row's new tokens out."""
+    batch_buckets, length_buckets = buckets
+    n, lens = len(prompts), rows.lens
     b = bucket_size(n, batch_buckets, "batch size")
     p = bucket_size(int(lens.max()), length_buckets, "length of prompt")
-    s = bucket_size(int((lens + max_new).max()), length_buckets, "length of prompt + new tokens")
+    s = bucket_size(int((lens + rows.max_new).max()), length_buckets, "length of prompt + new")
     s = min(s, cfg.max_position_embeddings)
     tokens = np.full((b, p), _PAD_TOKEN, np.int32)
     for i, pr in enumerate(prompts):
@@ -416,14 +424,17 @@ def _run_bucket(
     lengths = np.ones((b,), np.int32)
     lengths[:n] = lens
     mx = np.zeros((b,), np.int32)  # padding rows: done before they start
-    mx[:n] = max_new
+    mx[:n] = rows.max_new
     sd = np.zeros((b,), np.uint32)
-    sd[:n] = seeds
+    sd[:n] = rows.seeds
     sampling = None
-    if sp is not None:
-        pad = (1.0, 0, 1.0, 0.0)
+    if rows.sampling is not None:
+        pad = (1.0, 0, 1.0, 0.0)  # neutral knobs for padding rows (their tokens are dropped)
         sampling = SamplingParams(
-            *(np.concatenate([f, np.full((b - n,), v, f.dtype)]) for f, v in zip(sp, pad))
+            *(
+                np.concatenate([f, np.full((b - n,), v, f.dtype)])
+                for f, v in zip(rows.sampling, pad)
+            )
         )
     req = _Request(mx, stop_K, key, sd, sampling)
     if loop == "device":
