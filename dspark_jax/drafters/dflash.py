@@ -84,8 +84,9 @@ class BlockDrafter(nnx.Module):
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
             attn = layer.self_attn
             u = layer.input_layernorm(x)
-            q = project_q(attn, u, pos).reshape(b, n, g, *attn_shape_q(attn))
-            kb, vb = project_kv(attn, u, pos)
+            q = project_q(attn, u, pos)  # [B, N·G, n_q, d_h]
+            kb, vb = project_kv(attn, u, pos)  # [B, N·G, n_kv, d_h]
+            q = q.reshape(b, n, g, *q.shape[2:])
             kb = kb.reshape(b, n, g, *kb.shape[2:])
             vb = vb.reshape(b, n, g, *vb.shape[2:])
             kc, vc = kc.astype(q.dtype), vc.astype(q.dtype)
@@ -99,10 +100,6 @@ class BlockDrafter(nnx.Module):
     def base_logits(self, z):
         """U = lm_head(z) [..., V] fp32."""
         return lm_logits(self.lm_head[...], z)
-
-
-def attn_shape_q(attn):
-    return attn.cfg.num_heads, attn.cfg.head_dim
 
 
 # ---------------------------------------------------------------------------------------------
