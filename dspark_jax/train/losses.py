@@ -29,7 +29,9 @@ evaluation; the other keys are this batch's ratios:
   accept_num/accept_den [γ]); tau (simulated τ = 1 + Σ_k Π_{i≤k}(1 − TV_i)·mask_i averaged over
   valid blocks, tau_num/tau_den); DSpark with confidence: conf_abs_error, conf_bias (σ(ρ) − c*),
   conf_cumprod_bias (+ _num, shared denominator bce_den); counts n_blocks, n_supervised.
-  Eagle3: ce is the TTT soft-label loss, plus acc [γ] (per-step argmax accuracy).
+  Eagle3: ce is the TTT soft-label loss (l1 = bce = 0), plus ce_steps [γ] (unweighted step
+  losses), acc [γ] (per-step argmax accuracy vs the target's argmax, acc_num), tau_greedy, n_tokens.
+  Every kind returns loss, ce, l1, bce, accept_rate, tau (the keys a trainer logs and selects on).
 
 Normalization (REFERENCE §4.3): each term is Σ_batch num / (Σ_batch den + 1e-6) over the B
 sequences of this call, i.e. a token-weighted mean per micro-batch; averaging micro-batch losses
@@ -272,6 +274,8 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
     m = {
         "loss": total,
         "ce": total,
+        "l1": jnp.zeros((), f32),
+        "bce": jnp.zeros((), f32),
         "ce_steps": jnp.stack(ce_k),
         "accept_num": accept_num,
         "accept_den": accept_den,
