@@ -216,3 +216,86 @@ def test_missing_files_and_unknown_target(tmp_path):
     os.remove(tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="missing files"):
         load_hf_drafter(tmp_path, tiny_target_config())
+
+
+def _torch_dspark_block(w, feats, ids, a, g, mask_id, theta=1e6, eps=1e-6):
+    """A from-scratch PyTorch DSpark block (REFERENCE §2.2–2.4, §3.1, §3.5) for one anchor:
+    HF weight layout, "rotate half" RoPE, GQA by repeat_interleave."""
+    import torch
+
+    def rotate_half(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([-x2, x1], dim=-1)
+
+    t = {k: torch.tensor(v) for k, v in w.items()}
+
+    def rms(x, wt):
+        return wt * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # x [T, heads, d]
+        inv = 1.0 / theta ** (torch.arange(0, D, 2).float() / D)
+        f = pos[:, None].float() * inv
+        emb = torch.cat([f, f], -1)
+        return x * emb.cos()[:, None] + rotate_half(x) * emb.sin()[:, None]
+
+    ctx = rms(torch.tensor(feats[:a]) @ t["fc.weight"].T, t["hidden_norm.weight"])  # [a, H]
+    block = torch.tensor([int(ids[a])] + [mask_id] * (g - 1))
+    h = t["embed_tokens.weight"][block]
+    pos_blk, pos_all = torch.arange(a, a + g), torch.arange(a + g)
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        u = rms(h, t[p + "input_layernorm.weight"])
+        q = (u @ t[p + "self_attn.q_proj.weight"].T).view(g, NQ, D)
+        q = rope(rms(q, t[p + "self_attn.q_norm.weight"]), pos_blk)
+        both = torch.cat([ctx, u])
+        k = (both @ t[p + "self_attn.k_proj.weight"].T).view(a + g, NKV, D)
+        k = rope(rms(k, t[p + "self_attn.k_norm.weight"]), pos_all)
+        v = (both @ t[p + "self_attn.v_proj.weight"].T).view(a + g, NKV, D)
+        k, v = k.repeat_interleave(NQ // NKV, 1), v.repeat_interleave(NQ // NKV, 1)
+        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / D**0.5, -1)
+        o = torch.einsum("hqk,khd->qhd", att, v).reshape(g, NQ * D)
+        h = h + o @ t[p + "self_attn.o_proj.weight"].T
+        x = rms(h, t[p + "post_attention_layernorm.weight"])
+        gate, up = x @ t[p + "mlp.gate_proj.weight"].T, x @ t[p + "mlp.up_proj.weight"].T
+        h = h + (torch.nn.functional.silu(gate) * up) @ t[p + "mlp.down_proj.weight"].T
+    z = rms(h, t["norm.weight"])
+    prev = torch.tensor([int(x) for x in ids[a : a + g]])  # teacher forcing: x_a, x_{a+1}, ...
+    e = t["markov_head.markov_w1.weight"][prev]
+    logits = z @ t["lm_head.weight"].T + e @ t["markov_head.markov_w2.weight"].T
+    conf = (
+        torch.cat([z, e], -1) @ t["confidence_head.proj.weight"].T + t["confidence_head.proj.bias"]
+    )
+    return logits.numpy(), conf[:, 0].numpy()
+
+
+def test_loaded_dspark_matches_a_pytorch_reference(tmp_path):
+    from dspark_jax.drafters.dspark import teacher_forced
+    from dspark_jax.train.anchors import make_blocks
+
+    rng = np.random.default_rng(5)
+    w = {
+        k: (
+            1.0 + 0.1 * rng.normal(size=s)
+            if k.endswith("norm.weight")
+            else 0.1 * rng.normal(size=s)
+        ).astype(np.float32)
+        for k, s in dspark_shapes().items()
+    }
+    save_file(w, os.path.join(tmp_path, "model.safetensors"))
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(hf_config("dspark"), f)
+    cfg, params = load_hf_drafter(tmp_path, tiny_target_config())
+    seq, a, g = 14, 9, cfg.block_size
+    feats = rng.normal(size=(seq, M * H)).astype(np.float32)
+    ids = rng.integers(0, V - 1, seq)
+    want_logits, want_conf = _torch_dspark_block(w, feats, ids, a, g, cfg.mask_token_id)
+
+    model = api.build(cfg, params)
+    blk = make_blocks(
+        ids[None], np.ones((1, seq)), jnp.array([[a]]), jnp.array([[True]]), g, cfg.mask_token_id
+    )
+    kv = model.context_kv(jnp.asarray(feats)[None], jnp.arange(seq)[None])
+    z = model.blocks(kv, blk.anchors, blk.keep, blk.block_ids, blk.positions)
+    out = teacher_forced(model, z, blk.prev_ids)
+    np.testing.assert_allclose(out.logits[0, 0], want_logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.conf_logits[0, 0], want_conf, rtol=1e-4, atol=1e-4)
