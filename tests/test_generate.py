@@ -207,7 +207,7 @@ def test_large_batch_is_split(params):
             [[1]],
             dict(sampling=dict(temperature=1.0, top_k=3), sampling_config=SamplingConfig()),
             "top_k",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_bad_input_raises_before_work(params, prompts, kwargs, match):
