@@ -426,9 +426,17 @@ class Pipeline:
         tcfg, tparams = self.target()
         dcfg, dparams = self.drafter(kind)
         e = self.cfg.evaluate
+        buckets = tuple(b for b in (64, 128, 256, 512, 1024, 2048, 4096) if b < e.max_len)
         return SpeculativeDecoder(
-            tcfg, dcfg, tparams, dparams, max_len=e.max_len, length_buckets=(64, 128, 256, 512)
-        )
+            tcfg, dcfg, tparams, dparams, max_len=e.max_len,
+            length_buckets=buckets or (e.max_len // 2,),
+        )  # fmt: skip
+
+    def max_prompt_len(self, max_new_tokens: int) -> int:
+        """Longest prompt the evaluation decoder takes (prompt + new tokens + γ + 1 ≤ max_len)."""
+        e = self.cfg.evaluate
+        limit = e.max_len - max_new_tokens - self.cfg.drafters.block_size - 2
+        return min(limit, max(b for b in (64, 128, 256, 512, 1024, 2048, 4096) if b < e.max_len))
 
     def _stage_calibrate(self):
         from dspark_jax.eval.offline import EvalDataset, calibration_pairs, run_dataset
