@@ -171,8 +171,9 @@ def test_gradient_is_mean_of_micro_batch_gradients(tmp_path):
 
 
 def test_one_compilation_per_bucket_then_no_retrace(tmp_path):
+    # bf16 and total_steps=7 are unique to this test: every step compiles here, not earlier
     cfg = base_config(
-        compute_dtype="bfloat16", seq_buckets=(16, 32), total_steps=6, eval_interval=2
+        compute_dtype="bfloat16", seq_buckets=(16, 32), total_steps=7, eval_interval=2
     )
     train = make_samples(24, 256, lengths=(6, 30), seed=5)
     held_out = make_samples(4, 256, lengths=(6, 14), seed=6)  # one eval bucket (16)
@@ -318,8 +319,13 @@ def test_real_drafters_train_a_few_steps(tmp_path, kind):
         dcfg = DrafterConfig.dflash(tcfg, **small, num_anchors=8, mask_token_id=255)
     else:
         dcfg = DrafterConfig.dspark(tcfg, **small, num_anchors=8, mask_token_id=255, markov_rank=16)
+    # evaluation (D's accept/tau metrics -> sim_tau, best checkpoint) is exercised for DSpark only
     cfg = base_config(
-        global_batch_size=2, total_steps=3, eval_interval=3, learning_rate=3e-3, eval_batch_size=2
+        global_batch_size=2,
+        total_steps=2,
+        eval_interval=2 if kind == "dspark" else 0,
+        learning_rate=3e-3,
+        eval_batch_size=2,
     )
     t = Trainer.for_drafter(
         cfg,
@@ -332,10 +338,12 @@ def test_real_drafters_train_a_few_steps(tmp_path, kind):
     )
     frozen0 = jax.tree.map(np.asarray, t.frozen)
     res = t.run()
-    assert all(math.isfinite(h["loss"]) for h in res.history)
-    ev = res.evals[-1]
-    assert len(ev["accept_rate"]) == 3 and 1.0 <= ev["sim_tau"] <= 4.0
-    assert "tau" in ev and res.best_step == 3
+    assert len(res.history) == 2 and all(math.isfinite(h["loss"]) for h in res.history)
+    assert res.history[0]["grad_norm"] > 0
+    if kind == "dspark":
+        ev = res.evals[-1]
+        assert len(ev["accept_rate"]) == 3 and 1.0 <= ev["sim_tau"] <= 4.0
+        assert {"ce", "l1", "bce", "tau"} <= set(ev) and res.best_step == 2
     for a, b in zip(jax.tree.leaves(frozen0), jax.tree.leaves(t.frozen)):
         np.testing.assert_array_equal(a, np.asarray(b))
     t.close()

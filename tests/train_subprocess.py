@@ -72,7 +72,7 @@ def distributed_mode(out_json: str, port: int, process_id: int, shared: str) -> 
     rb = b.run()
     b.close()
     c = toy_trainer(os.path.join(shared, "c"), cfg, mesh=mesh)
-    rc = c.run()
+    rc = c.run(save_at_end=False)
     c.close()
     out = {
         "process": process_id,

@@ -230,9 +230,10 @@ class _Static:
         return isinstance(other, _Static) and self._key == other._key
 
 
-# The TrainConfig fields the compiled steps read; the others are reset in `_StepSpec.train` so
-# that runs differing only in intervals, seeds or data share compilations.
-_COMPUTE_FIELDS = (
+# The TrainConfig fields each compiled step reads; the others are reset in the static views so
+# that runs differing only in intervals, seeds, data or optimizer settings share compilations.
+_MICRO_FIELDS = ("compute_dtype", "feature_mode")
+_UPDATE_FIELDS = (
     "learning_rate",
     "warmup_ratio",
     "adam_b1",
@@ -242,18 +243,16 @@ _COMPUTE_FIELDS = (
     "grad_clip_norm",
     "global_batch_size",
     "micro_batch_size",
-    "compute_dtype",
-    "feature_mode",
 )
 
 
-def _compute_view(cfg: TrainConfig) -> TrainConfig:
-    return TrainConfig(**{f: getattr(cfg, f) for f in _COMPUTE_FIELDS}, total_steps=1)
+def _view(cfg: TrainConfig, fields) -> TrainConfig:
+    return TrainConfig(**{f: getattr(cfg, f) for f in fields}, total_steps=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class _StepSpec:
-    """Everything static about the compiled steps (`train` is a `_compute_view`)."""
+    """Everything static about the micro and eval steps (`train`: compute dtype, feature mode)."""
 
     loss: _Static
     train: TrainConfig
@@ -311,7 +310,8 @@ def train_micro_step(
 def train_apply_step(train_cfg, total_steps, trainable, opt_state, grad_acc, metric_acc, step):
     """Mean gradient over the step's micro-batches, clip, AdamW update (compiled once).
 
-    Static: `train_cfg` (a compute view of the TrainConfig) and `total_steps`. Arrays: the rest.
+    Static: `train_cfg` (the optimizer/batch fields of the TrainConfig) and `total_steps`.
+    Arrays: the rest.
 
     Returns new (trainable, opt_state), zeroed accumulators and the step's metrics: ratio metrics
     averaged over micro-batches, `_num`/`_den` summed, plus `grad_norm` (before clipping) and `lr`.
@@ -490,7 +490,8 @@ class Trainer:
                 "test_xla_gradient_on_a_2x2x2_mesh_is_correct); prefer at most two axes > 1",
                 dict(self.mesh.shape),
             )
-        self.spec = _StepSpec(_Static(loss_fn), _compute_view(cfg), target_cfg)
+        self.spec = _StepSpec(_Static(loss_fn), _view(cfg, _MICRO_FIELDS), target_cfg)
+        self._update_cfg = _view(cfg, _UPDATE_FIELDS)
         self.run_dir = Path(run_dir)
         self.sidecar = {
             "train": cfg.to_json(),
@@ -763,7 +764,7 @@ class Trainer:
                 )
                 tokens += int(self.train_source.lengths[mb.indices[mb.indices >= 0]].sum())
             self.trainable, self.opt_state, grad_acc, metric_acc, metrics = self._apply(
-                self.spec.train,
+                self._update_cfg,
                 self.total_steps,
                 self.trainable,
                 self.opt_state,
