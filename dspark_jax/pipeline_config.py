@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import types
 import typing
 from typing import Any
 
@@ -174,3 +175,24 @@ def _set_path(obj, parts: list[str], value: str, key: str):
             raise ConfigError(f"{key!r}: {head!r} is not a section")
         new = _set_path(cur, parts[1:], value, key)
     return dataclasses.replace(obj, **{head: new})
+
+
+def from_json(cls, d: dict):
+    """Rebuild a (nested) config dataclass from `dataclasses.asdict` output (run_dir/config.json)."""
+    hints = typing.get_type_hints(cls)
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            continue
+        v, typ = d[f.name], hints[f.name]
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        base = args[0] if typing.get_origin(typ) in (typing.Union, types.UnionType) else typ
+        if dataclasses.is_dataclass(base) and isinstance(v, dict):
+            v = from_json(base, v)
+        elif typing.get_origin(base) is tuple and isinstance(v, list):
+            v = tuple(v)
+        kw[f.name] = v
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ConfigError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    return cls(**kw)
