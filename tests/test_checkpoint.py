@@ -104,16 +104,18 @@ def test_restore_refuses_arrays_that_do_not_match_the_fingerprint(tmp_path):
 
 
 def test_trainer_resumes_from_previous_good_checkpoint_when_latest_is_corrupt(tmp_path):
-    cfg = base_config(total_steps=4, checkpoint_interval=2)
-    t = toy_trainer(tmp_path / "run", cfg)
+    cfg = base_config(total_steps=4, checkpoint_interval=2, eval_interval=2)
+    t = toy_trainer(tmp_path / "run", cfg, n_eval=2)
     ref = t.run()
     t.close()
     _corrupt_arrays(tmp_path / "run" / "checkpoints" / "4")
     with pytest.warns(CheckpointWarning, match="step 4"):
-        again = toy_trainer(tmp_path / "run", cfg)
+        again = toy_trainer(tmp_path / "run", cfg, n_eval=2)
     assert again.step == 2
     res = again.run()
     assert [h["loss"] for h in res.history] == [h["loss"] for h in ref.history[2:]]
+    assert [e["sim_tau"] for e in res.evals] == [e["sim_tau"] for e in ref.evals[1:]]
+    assert again.best_step == ref.best_step and again.best_ckpt.steps() == [ref.best_step]
     again.close()
     for s in ("2", "4"):
         _corrupt_arrays(tmp_path / "run" / "checkpoints" / s)

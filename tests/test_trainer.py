@@ -264,6 +264,8 @@ def test_resume_with_another_config_is_refused_and_nothing_changes(tmp_path):
     before = (tmp_path / "run/metrics.jsonl").read_text()
     with pytest.raises(ConfigError, match="learning_rate"):
         toy_trainer(tmp_path / "run", base_config(total_steps=2, learning_rate=1e-3))
+    with pytest.raises(ConfigError, match="resume=False"):
+        toy_trainer(tmp_path / "run", base_config(total_steps=2), resume=False)
     # a change that does not alter the trajectory is accepted
     toy_trainer(tmp_path / "run", base_config(total_steps=2, eval_interval=5)).close()
     assert (tmp_path / "run/metrics.jsonl").read_text() == before

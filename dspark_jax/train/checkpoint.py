@@ -110,6 +110,15 @@ class Checkpointer:
         self._mgr.wait_until_finished()
         self._mgr.close()
 
+    def drop_steps_after(self, step: int) -> list[int]:
+        """Delete the steps newer than `step` (e.g. best checkpoints of a future that a resume
+        from `step` recomputes); returns them."""
+        self._mgr.wait_until_finished()
+        newer = [s for s in self._mgr.all_steps() if s > step]
+        for s in newer:
+            self._mgr.delete(s)
+        return newer
+
     # -- reading ---------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:

@@ -503,6 +503,11 @@ class Trainer:
         ckpt_dir = self.run_dir / "checkpoints"
         if resume and ckpt_dir.exists():
             self._check_resumable(ckpt_dir)
+        elif not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+            raise ConfigError(
+                f"{ckpt_dir} already holds checkpoints and resume=False; use a new run_dir (or "
+                "resume=True to continue that run)"
+            )
         # ---- state
         self.is_main = jax.process_index() == 0
         cdt = self.spec.compute_dtype
@@ -643,6 +648,9 @@ class Trainer:
         self.base_key = jax.random.wrap_key_data(key_data)
         self.best_score, self.best_step = meta.get("best_score"), meta.get("best_step")
         self.resumed_from = self._saved_step = step
+        # best checkpoints from after the restored step belong to the discarded future: the
+        # resumed run recomputes them (bit for bit), so they are written again if still best
+        self.best_ckpt.drop_steps_after(step)
         log.info("resumed from %s step %d", self.ckpt.directory, step)
 
     def _trim_metrics_log(self) -> None:
