@@ -54,6 +54,7 @@ from dspark_jax.spec.sampling import (
 __all__ = [
     "DEFAULT_BATCH_BUCKETS",
     "DEFAULT_LENGTH_BUCKETS",
+    "DecodeRequest",
     "DecodeState",
     "bucket_size",
     "decode_step",
@@ -173,8 +174,8 @@ class DecodeState(NamedTuple):
     done_B: jax.Array  # bool, row finished (stop token sampled or max_new reached)
 
 
-class _Request(NamedTuple):
-    """Per-row request arrays, constant during the loop."""
+class DecodeRequest(NamedTuple):
+    """Per-row request arrays, constant during the loop (all arrays, never static)."""
 
     max_new_B: jax.Array  # int32 >= 0 (0 = padding row)
     stop_K: jax.Array  # int32 stop ids, padded with -1
@@ -183,7 +184,7 @@ class _Request(NamedTuple):
     sampling: SamplingParams | None
 
 
-def _record(state: DecodeState, tok_B, pos_B, req: _Request) -> DecodeState:
+def _record(state: DecodeState, tok_B, pos_B, req: DecodeRequest) -> DecodeState:
     """Store freshly sampled tokens at pos_B for rows still running and update done flags."""
     live_B = ~state.done_B
     s = state.tokens_BxS.shape[1]
@@ -201,7 +202,7 @@ def start(
     params: nnx.State,
     tokens_BxP: jax.Array,
     lengths_B: jax.Array,
-    req: _Request,
+    req: DecodeRequest,
     *,
     scfg: SamplingConfig,
     cache_len: int,
@@ -228,7 +229,7 @@ def start(
 
 
 def decode_step(
-    cfg: TargetConfig, params: nnx.State, state: DecodeState, req: _Request, *, scfg
+    cfg: TargetConfig, params: nnx.State, state: DecodeState, req: DecodeRequest, *, scfg
 ) -> DecodeState:
     """Feed every row's last token at its position, sample the next one, record it.
 
@@ -437,7 +438,7 @@ def _run_bucket(cfg, params, prompts, rows: _HostRows, stop_K, key, scfg, bucket
                 for f, v in zip(rows.sampling, pad)
             )
         )
-    req = _Request(mx, stop_K, key, sd, sampling)
+    req = DecodeRequest(mx, stop_K, key, sd, sampling)
     if loop == "device":
         toks, num = generate_jit(cfg, params, tokens, lengths, req, scfg=scfg, cache_len=s)
     else:
