@@ -34,7 +34,7 @@ def config() -> PipelineConfig:
         name="tiny",
         run_dir="runs/tiny",
         tokenizer=TokenizerStage(vocab_size=2048),
-        target=TargetStage(model=target, steps=700, batch_size=16, seq_len=256, lr=3e-3),
+        target=TargetStage(model=target, steps=330, batch_size=16, seq_len=256, lr=3e-3),
         regenerate=RegenerateStage(max_prompts=1200, max_new_tokens=128, batch_size=32),
         drafters=DrafterStage(
             kinds=("dspark", "dflash", "eagle3"),
