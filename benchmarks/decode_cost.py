@@ -153,6 +153,9 @@ def attention_probe(cfg, params, batch, tokens_per_req, cache_len, context, repe
     )
     kv_bytes = 2 * k.size * k.dtype.itemsize
     att = jax.jit(tf.attend)
+    # the KV cache's own layout [B, n_kv, S, d] (models/transformer.py): no transposing copies
+    att_hf = jax.jit(lambda q_, k_, v_, m_: tf.attend(q_, k_, v_, m_, kv_heads_first=True))
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     att_red = jax.jit(attend_reduce)
     att_bd = jax.jit(attend_block_diagonal)
     read = jax.jit(lambda a, b: jnp.sum(a) + jnp.sum(b))
@@ -163,10 +166,12 @@ def attention_probe(cfg, params, batch, tokens_per_req, cache_len, context, repe
 
     for alt in (att_red, att_bd):
         np.testing.assert_allclose(att(q, k, v, mask), alt(q, k, v, mask), atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(att(q, k, v, mask), att_hf(q, kh, vh, mask), atol=2e-4, rtol=2e-4)
     step = step_fn(cfg, params, batch, tokens_per_req, cache_len, context)
     sec = race(
         {
             "attend": blocking(att, q, k, v, mask),
+            "attend_heads_first": blocking(att_hf, q, kh, vh, mask),
             "reduce": blocking(att_red, q, k, v, mask),
             "block_diagonal": blocking(att_bd, q, k, v, mask),
             "read": blocking(read, k, v),
@@ -192,6 +197,9 @@ def attention_probe(cfg, params, batch, tokens_per_req, cache_len, context, repe
         "plain_read_GBps": gbs(kv_bytes, t_read),
         "copy_like_GBps_read_plus_write": gbs(2 * kv_bytes, t_copy),
         "attend_vs_plain_read_slowdown": round(t_att / t_read, 2),
+        "heads_first_attend_ms": round(sec["attend_heads_first"] * 1e3, 3),
+        "heads_first_kv_read_GBps": gbs(kv_bytes, sec["attend_heads_first"]),
+        "heads_first_speedup_vs_seq_major": round(t_att / sec["attend_heads_first"], 2),
         "multiply_reduce_attend_ms": round(t_red * 1e3, 3),
         "block_diagonal_attend_ms": round(sec["block_diagonal"] * 1e3, 3),
         "cache_sized_copies_in_compiled_attend": cache_copies,

@@ -169,14 +169,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def cache_shardings(cache, mesh: Mesh, rules: dict | None = None):
-    """A KVCache-shaped tree of NamedShardings: K/V [B, S, n_kv, d_h] over
-    ("batch", "seq", "kv_heads", "head_dim"), lengths [B] over "batch".
+    """A KVCache-shaped tree of NamedShardings: K/V [B, n_kv, S, d_h] over
+    ("batch", "kv_heads", "seq", "head_dim"), lengths [B] over "batch".
 
     `cache` may be a real KVCache or its `jax.eval_shape`.
     """
 
     def kv(x):
-        spec = logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), x.shape, mesh, rules)
+        spec = logical_to_spec(("batch", "kv_heads", "seq", "head_dim"), x.shape, mesh, rules)
         return NamedSharding(mesh, spec)
 
     lengths = NamedSharding(mesh, logical_to_spec(("batch",), cache.lengths.shape, mesh, rules))

@@ -96,18 +96,22 @@ def apply_rope(x_BxTxNxD, positions_BxT, inv_freq):
     return out.astype(x_BxTxNxD.dtype)
 
 
-def attend(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
-    """GQA attention in fp32 softmax. Rows with no visible key return 0 (never NaN)."""
+def attend(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, *, kv_heads_first: bool = False):
+    """GQA attention in fp32 softmax. Rows with no visible key return 0 (never NaN).
+
+    K/V are [B, S, n_kv, d] or, with `kv_heads_first`, [B, n_kv, S, d] (the KV cache layout:
+    the (batch, head) matmul dims lead, so XLA reads the cache without a transposing copy)."""
     b, t, n, d = q_BxTxNxD.shape
-    kv = k_BxSxKxD.shape[2]
+    kv = k_BxSxKxD.shape[1] if kv_heads_first else k_BxSxKxD.shape[2]
     q = q_BxTxNxD.reshape(b, t, kv, n // kv, d)
-    s = jnp.einsum("btkrd,bskd->bkrts", q, k_BxSxKxD, preferred_element_type=jnp.float32)
+    ks = "bksd" if kv_heads_first else "bskd"
+    s = jnp.einsum(f"btkrd,{ks}->bkrts", q, k_BxSxKxD, preferred_element_type=jnp.float32)
     s = s * (1.0 / math.sqrt(d))
     m = mask_BxTxS[:, None, None, :, :]
     s = jnp.where(m, s, -1e30)
     p = jax.nn.softmax(s, axis=-1)
     p = jnp.where(m, p, 0.0)
-    o = jnp.einsum("bkrts,bskd->btkrd", p.astype(v_BxSxKxD.dtype), v_BxSxKxD)
+    o = jnp.einsum(f"bkrts,{ks}->btkrd", p.astype(v_BxSxKxD.dtype), v_BxSxKxD)
     return o.reshape(b, t, n * d)
 
 
@@ -161,18 +165,21 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x_BxTxH, positions_BxT, kv_cache, key_positions_BxS):
-        """kv_cache is (k, v) [B,S,nkv,d] to write into, or None for cache-free full sequence."""
+        """kv_cache is (k, v) [B,nkv,S,d] to write into, or None for cache-free full sequence."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x_BxTxH), positions_BxT)
-        if kv_cache is None:
-            keys, vals, new_kv = k, v, None
-        else:
-            ck, cv = kv_cache
-            rows = jnp.arange(k.shape[0])[:, None]
-            ck = ck.at[rows, positions_BxT].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[rows, positions_BxT].set(v.astype(cv.dtype), mode="drop")
-            keys, vals, new_kv = ck, cv, (ck, cv)
         mask = key_positions_BxS[:, None, :] <= positions_BxT[:, :, None]
-        a = attend(q, keys.astype(q.dtype), vals.astype(q.dtype), mask)
+        if kv_cache is None:
+            a = attend(q, k, v, mask)
+            new_kv = None
+        else:
+            ck, cv = kv_cache  # [B, n_kv, S, d]
+            rows = jnp.arange(ck.shape[0])[:, None, None]
+            heads = jnp.arange(ck.shape[1])[None, :, None]
+            pos = positions_BxT[:, None, :]
+            ck = ck.at[rows, heads, pos].set(k.transpose(0, 2, 1, 3).astype(ck.dtype), mode="drop")
+            cv = cv.at[rows, heads, pos].set(v.transpose(0, 2, 1, 3).astype(cv.dtype), mode="drop")
+            a = attend(q, ck.astype(q.dtype), cv.astype(q.dtype), mask, kv_heads_first=True)
+            new_kv = (ck, cv)
         h = x_BxTxH + self.self_attn.o_proj(a)
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, new_kv
@@ -214,7 +221,7 @@ class Transformer(nnx.Module):
         if cache is None:
             key_pos = positions_BxT
         else:
-            s = cache.k[0].shape[1]
+            s = cache.max_len
             key_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (tokens_BxT.shape[0], s))
         feats, new_k, new_v = [], [], []
         for i, layer in enumerate(self.layers):
@@ -240,7 +247,7 @@ class ForwardOut(NamedTuple):
 
 
 class KVCache(NamedTuple):
-    """Per-layer K and V [B, S, n_kv, d_h] and committed lengths [B] (int32)."""
+    """Per-layer K and V [B, n_kv, S, d_h] and committed lengths [B] (int32)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -248,7 +255,7 @@ class KVCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     @property
     def batch(self) -> int:
@@ -261,7 +268,7 @@ class KVCache(NamedTuple):
 
 def init_cache(cfg: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     dt = _dtype(cfg.dtype) if dtype is None else dtype
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     z = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
     z2 = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
     return KVCache(z, z2, jnp.zeros((batch,), jnp.int32))
