@@ -34,12 +34,12 @@ def config() -> PipelineConfig:
         name="tiny",
         run_dir="runs/tiny",
         tokenizer=TokenizerStage(vocab_size=2048),
-        target=TargetStage(model=target, steps=330, batch_size=16, seq_len=256, lr=3e-3),
+        target=TargetStage(model=target, steps=300, batch_size=16, seq_len=256, lr=3e-3),
         regenerate=RegenerateStage(max_prompts=1200, max_new_tokens=128, batch_size=32),
         drafters=DrafterStage(
             kinds=("dspark", "dflash", "eagle3"),
             block_size=7,
-            num_layers=1,
+            num_layers=3,  # DSpark / DFlash backbone depth (Eagle3 is always 1 layer)
             markov_rank=64,
             num_anchors=64,
             steps=400,

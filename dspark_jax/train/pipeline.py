@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,7 @@ class Pipeline:
                 self.status[s] = "cached"
                 self.log(f"[{s}] cached ({self.stage_dir(s)})")
                 continue
-            self.stage_dir(s).mkdir(parents=True, exist_ok=True)
+            self._prepare_stage_dir(s, fresh=s in force)
             self.log(f"[{s}] running")
             t0 = time.perf_counter()
             info = getattr(self, f"_stage_{s}")()
@@ -133,6 +134,17 @@ class Pipeline:
             self.status[s] = "ran"
             self.log(f"[{s}] done in {self.timings[s]:.1f}s")
         return self.status
+
+    def _prepare_stage_dir(self, stage: str, fresh: bool):
+        """Keep a stage's partial work (checkpoints, shards) only if it was made with the same
+        configuration; anything from another configuration (or a forced redo) is removed."""
+        d = self.stage_dir(stage)
+        tag = d / "stage_hash"
+        h = _hash(self.cfg, stage)
+        if d.exists() and (fresh or not tag.exists() or tag.read_text().strip() != h):
+            shutil.rmtree(d)
+        d.mkdir(parents=True, exist_ok=True)
+        tag.write_text(h)
 
     def _require(self, stage: str):
         if not self.is_done(stage):
