@@ -165,3 +165,19 @@ def test_sampled_output_follows_target_distribution(kind):
     obs = bad.reshape(-1)
     chi_bad = _chisquare(obs, expected, keep)
     assert chi_bad.pvalue < 1e-6, chi_bad
+
+
+def test_no_retrace_after_warmup(tiny):
+    """New prompts (same length bucket), seeds and per-request knobs reuse the compiled rounds."""
+    from dspark_jax.testing import CompileCounter
+
+    tcfg, tp = tiny
+    dcfg = _drafter_cfg("dspark", tcfg)
+    dp = drafters.init_params(dcfg, target_params=tp)
+    dec = SpeculativeDecoder(tcfg, dcfg, tp, dp, max_len=128, length_buckets=(16,))
+    kw = dict(max_new_tokens=12, top_k=[0, 5], top_p=[1.0, 0.9])
+    dec.generate([[5, 6, 7], [8, 9]], temperature=[1.0, 0.7], seeds=[0, 1], **kw)
+    with CompileCounter() as cc:
+        dec.generate([[1, 2, 3, 4, 5, 6], [7]], temperature=[0.3, 1.2], seeds=[5, 9], **kw)
+        dec.generate([[9] * 12, [4, 4]], temperature=[1.0, 0.9], seeds=[2, 3], stop_ids=[17], **kw)
+    assert cc.count == 0, cc.names
