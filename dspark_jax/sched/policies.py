@@ -115,7 +115,11 @@ def _objective(a_sorted, order, num_req, cost: CostProfile, base_requests=None) 
     """``Theta_K`` for admitting the first ``K = 0..N`` ranked candidates: ``[..., N + 1]``."""
     r = num_req if base_requests is None else np.asarray(base_requests)[..., None]
     zero = np.zeros(a_sorted.shape[:-1] + (1,))
-    tau = r + np.concatenate([zero, np.cumsum(a_sorted, axis=-1)], axis=-1)  # [..., N+1]
+    # Accumulate left to right from r, exactly like the sequential loop ((r + a1) + a2 ...), so
+    # float rounding never makes a negligible candidate look like an improvement here but not
+    # there.
+    start = np.broadcast_to(np.asarray(r, np.float64), zero.shape)
+    tau = np.cumsum(np.concatenate([start, a_sorted], axis=-1), axis=-1)  # [..., N+1]
     k = np.arange(a_sorted.shape[-1] + 1)
     if cost.layout == "padded":
         slot = order // max(num_req, 1) + 1  # [..., N] 1-based slot of each candidate
