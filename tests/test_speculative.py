@@ -13,8 +13,9 @@ from scipy import stats
 
 from dspark_jax import drafters
 from dspark_jax.config import DrafterConfig
-from dspark_jax.engine.speculative import SpeculativeDecoder, greedy_reference
+from dspark_jax.engine.speculative import SpeculativeDecoder
 from dspark_jax.models import forward, init_params
+from dspark_jax.models.generate import generate
 from dspark_jax.testing import tiny_target_config
 
 KINDS = ("dspark", "dflash", "eagle3")
@@ -53,7 +54,7 @@ def test_greedy_equals_greedy_decoding(tiny, kind):
     res = dec.generate(prompts, max_new_tokens=24, temperature=0.0)
     total_acc = 0
     for p, r in zip(prompts, res):
-        assert r.tokens == greedy_reference(tcfg, tp, p, 24, max_len=128)
+        assert r.tokens == generate(tcfg, tp, [p], max_new_tokens=24)[0]  # plain greedy
         total_acc += sum(r.num_accepted)
         assert all(0 <= a <= n for a, n in zip(r.num_accepted, r.proposed))
     # fewer rounds than tokens whenever anything was accepted
@@ -66,7 +67,7 @@ def test_stop_tokens_end_requests(tiny):
     dcfg = _drafter_cfg("dflash", tcfg)
     dp = drafters.init_params(dcfg, target_params=tp)
     dec = SpeculativeDecoder(tcfg, dcfg, tp, dp, max_len=128, length_buckets=(16,))
-    ref = greedy_reference(tcfg, tp, [5, 6, 7], 20, max_len=128)
+    ref = generate(tcfg, tp, [[5, 6, 7]], max_new_tokens=20)[0]
     stop = ref[6]
     cut = ref.index(stop) + 1
     (r,) = dec.generate([[5, 6, 7]], max_new_tokens=20, temperature=0.0, stop_ids=[stop])

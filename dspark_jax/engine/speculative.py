@@ -23,7 +23,6 @@ truncates the round (recorded without a bonus token, REFERENCE §6.2 step 5).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -32,12 +31,12 @@ import numpy as np
 
 from dspark_jax import drafters
 from dspark_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dspark_jax.models.generate import sample_tokens
 from dspark_jax.models.transformer import KVCache, forward, init_cache
 from dspark_jax.spec import rng as rng_lib
 from dspark_jax.spec.sampling import (
     SamplingConfig,
     SamplingParams,
-    transform_logits,
     validate_sampling_params,
 )
 from dspark_jax.spec.verify import verify_core
@@ -55,14 +54,6 @@ class RoundOut(NamedTuple):
     emitted: jax.Array  # [B, γ+1] committed tokens of this round (-1 past A+1)
     num_accepted: jax.Array  # [B] accepted drafts A
     conf_logits: jax.Array | None  # [B, γ]
-
-
-def _first_token(logits_BxV, key, seeds, positions, sp, scfg):
-    z = transform_logits(logits_BxV, sp, scfg)
-    if scfg.greedy:
-        return jnp.argmax(z, -1).astype(jnp.int32)
-    keys = rng_lib.position_keys(key, rng_lib.SAMPLE, seeds, positions)
-    return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, z).astype(jnp.int32)
 
 
 def prefill(
@@ -89,7 +80,10 @@ def prefill(
     cache = init_cache(tcfg, b, max_len)
     out, cache = forward(tcfg, tparams, tokens_BxT, positions, cache)
     last = jnp.take_along_axis(out.logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    first = _first_token(last, key, seeds_B, lengths_B, sp, scfg)
+    # drawn exactly like plain decoding's token at that position (spec.rng SAMPLE stream)
+    first = sample_tokens(
+        last, rng_lib.stream_key(key, rng_lib.SAMPLE), seeds_B, lengths_B, sp, scfg
+    )
     cache = cache.with_lengths(lengths_B)
     # next_tokens[t] = the committed token at position t + 1 (Eagle3 pairs feature t with it).
     shifted = jnp.concatenate([tokens_BxT[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -299,34 +293,3 @@ class SpeculativeDecoder:
                     done[i] = True
                 r.tokens.extend(new)
         return results
-
-
-@functools.lru_cache(maxsize=8)
-def _greedy_reference_fn(tcfg: TargetConfig, max_len: int):
-    def step(params, cache, tok_B, pos_B):
-        out, cache = forward(tcfg, params, tok_B[:, None], pos_B[:, None], cache)
-        return out.logits[:, 0], cache.with_lengths(pos_B + 1)
-
-    return jax.jit(step, donate_argnums=(1,))
-
-
-def greedy_reference(
-    tcfg: TargetConfig, tparams, prompt: list[int], max_new_tokens: int, max_len: int = 1024
-) -> list[int]:
-    """Plain greedy decoding with the same forward, one token per step (tests and baselines)."""
-    n = len(prompt)
-    cache = init_cache(tcfg, 1, max_len)
-    toks = jnp.asarray([prompt], jnp.int32)
-    out, cache = forward(tcfg, tparams, toks, jnp.arange(n, dtype=jnp.int32)[None], cache)
-    tok = int(jnp.argmax(out.logits[0, -1]))
-    res = [tok]
-    step = _greedy_reference_fn(tcfg, max_len)
-    pos = n
-    while len(res) < max_new_tokens:
-        logits, cache = step(
-            tparams, cache, jnp.asarray([tok], jnp.int32), jnp.asarray([pos], jnp.int32)
-        )
-        tok = int(jnp.argmax(logits[0]))
-        res.append(tok)
-        pos += 1
-    return res

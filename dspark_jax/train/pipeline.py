@@ -384,8 +384,6 @@ class Pipeline:
         )
 
     def _stage_drafters(self):
-        from dspark_jax import drafters as dr
-        from dspark_jax.train import losses
         from dspark_jax.train.data import RenderConfig, encode_conversations
         from dspark_jax.train.trainer import Trainer
 
@@ -401,7 +399,6 @@ class Pipeline:
         info = {}
         for kind in d.kinds:
             dcfg = self.drafter_config(kind, tcfg)
-            params = dr.init_params(dcfg, target_params=tparams)
             tc = TrainConfig(
                 learning_rate=d.lr, total_steps=d.steps, warmup_ratio=0.05,
                 global_batch_size=d.batch_size, micro_batch_size=d.batch_size,
@@ -409,12 +406,11 @@ class Pipeline:
                 eval_batch_size=d.batch_size, max_eval_batches=4, checkpoint_interval=d.eval_every,
                 seed=dcfg.seed, pad_id=0,
             )  # fmt: skip
-            self.log(f"  training {kind}: {_count(params.trainable)} trainable parameters")
-            trainer = Trainer(
-                tc, _bind_loss(losses.loss_fn, dcfg), params.trainable, params.frozen,
-                train_data=train_s, eval_data=eval_s, run_dir=self.stage_dir("drafters") / kind,
-                target_cfg=tcfg, target_params=tparams, drafter_cfg=dcfg,
+            trainer = Trainer.for_drafter(
+                tc, dcfg, tparams, train_data=train_s, eval_data=eval_s,
+                run_dir=self.stage_dir("drafters") / kind,
             )  # fmt: skip
+            self.log(f"  training {kind}: {_count(trainer.trainable)} trainable parameters")
             res = trainer.run()
             info[kind] = {"best_step": res.best_step, "best_sim_tau": res.best_score}
         return info
@@ -583,13 +579,6 @@ class Pipeline:
             "ece_raw": raw.ece_summary, "ece_sts": cal.ece_summary,
             "auroc": raw.auroc_summary, "per_position": rows,
         }  # fmt: skip
-
-
-def _bind_loss(loss_fn, dcfg):
-    def bound(trainable, frozen, batch, rng):
-        return loss_fn(dcfg, trainable, frozen, batch, rng)
-
-    return bound
 
 
 def _round_up(n: int, m: int) -> int:
