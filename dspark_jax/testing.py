@@ -135,3 +135,25 @@ def drafter_batch(
     return dict(
         input_ids=ids, loss_mask=mask, target_features=out.features, target_hidden=out.hidden
     )
+
+
+def random_params(cfg: TargetConfig, seed: int):
+    """Random target params without compiling an initializer (numpy fills an abstract state).
+
+    Norm weights and biases are random too, so a dropped, misnamed or mis-sharded one changes
+    the outputs (parity and sharding tests rely on that).
+    """
+    from flax import nnx
+
+    from dspark_jax.models.transformer import init_params
+
+    rng = np.random.default_rng(seed)
+    flat = []
+    for path, var in nnx.to_flat_state(jax.eval_shape(lambda: init_params(cfg))):
+        shape = var.get_value().shape
+        if any("norm" in str(k) for k in path):
+            x = rng.uniform(0.5, 1.5, shape)
+        else:
+            x = rng.normal(0.0, 0.5 if path[-1] == "bias" else 0.05, shape)
+        flat.append((path, var.replace(jnp.asarray(x, jnp.float32))))
+    return nnx.from_flat_state(flat)

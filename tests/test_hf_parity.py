@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 torch = pytest.importorskip("torch")
@@ -30,9 +29,9 @@ from dspark_jax.models.hf import (  # noqa: E402
     load_tokenizer,
     save_target_hf,
 )
-from dspark_jax.models.transformer import forward_jit, init_cache, init_params  # noqa: E402
+from dspark_jax.models.transformer import forward_jit, init_cache  # noqa: E402
 from dspark_jax.models.validate import RequestError, check_request_fits  # noqa: E402
-from dspark_jax.testing import positions_like, tiny_target_config  # noqa: E402
+from dspark_jax.testing import positions_like, random_params, tiny_target_config  # noqa: E402
 
 ARCHS = ("qwen3", "qwen2", "llama")
 _HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -262,16 +261,7 @@ def test_save_target_hf_round_trip(arch, ckpts, tmp_path, seqs):
     fresh random ones, norms and biases included, so a dropped or misnamed tensor shows.
     """
     cfg = check_checkpoint(ckpts[arch][1], target_layer_ids=LAYER_IDS)
-    rng = np.random.default_rng(5)
-    flat = []
-    for path, var in nnx.to_flat_state(jax.eval_shape(lambda: init_params(cfg))):
-        shape = var.get_value().shape
-        if any("norm" in str(k) for k in path):
-            x = rng.uniform(0.5, 1.5, shape)
-        else:
-            x = rng.normal(0.0, 0.5 if path[-1] == "bias" else 0.05, shape)
-        flat.append((path, var.replace(jnp.asarray(x, jnp.float32))))
-    params = nnx.from_flat_state(flat)
+    params = random_params(cfg, 5)
     out_dir = save_target_hf(cfg, params, tmp_path / "ours")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         out_dir, local_files_only=True, attn_implementation="eager"

@@ -6,36 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax import parallel
 from dspark_jax.config import ConfigError, MeshConfig
 from dspark_jax.models.transformer import forward_jit, init_cache, init_params
-from dspark_jax.testing import positions_like, random_tokens, tiny_target_config
+from dspark_jax.testing import positions_like, random_params, random_tokens, tiny_target_config
 
 TOL = 1e-5
 B = 8
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
-
-
-def random_params(cfg, seed: int) -> nnx.State:
-    """Random params without compiling an initializer (numpy fills an abstract state).
-
-    Norm weights and biases are random too, so a mis-sharded one changes the outputs.
-    """
-    rng = np.random.default_rng(seed)
-    flat = []
-    for path, var in nnx.to_flat_state(jax.eval_shape(lambda: init_params(cfg))):
-        shape = var.get_value().shape
-        if any("norm" in str(k) for k in path):
-            x = rng.uniform(0.5, 1.5, shape)
-        else:
-            x = rng.normal(0.0, 0.5 if path[-1] == "bias" else 0.05, shape)
-        flat.append((path, var.replace(jnp.asarray(x, jnp.float32))))
-    return nnx.from_flat_state(flat)
 
 
 def _leaf(tree, *path):
