@@ -1,0 +1,417 @@
+"""OpenAI-compatible HTTP server over one `ServingEngine` (FastAPI + uvicorn).
+
+    app = create_app(engine, tokenizer, "dspark-tiny", stop_ids=run.stop_ids())
+    run_server(app, "127.0.0.1", 8000)          # blocks; SIGINT/SIGTERM drain and exit
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's chat template),
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus, see `server_metrics`).
+
+Contract:
+* every request is validated before it reaches the engine (strict JSON body, sampling knobs,
+  prompt non-empty and fitting `max_len` with its `max_tokens`); a user mistake is a 4xx
+  OpenAI-style error body, a full engine queue a 429 (`Retry-After`), a draining server a 503;
+* stop token ids go to the engine (the tokenizer's EOS ids unless `ignore_eos`, plus the
+  request's ids); stop strings are matched here on the incrementally detokenized text, and the
+  request is cancelled in the engine as soon as one is found;
+* a client that disconnects (streaming or not) has its request cancelled, which frees its slot
+  at the engine's next round;
+* every response carries `usage` and, next to it, `spec_stats` (rounds, drafted, verified,
+  accepted tokens and the mean accepted length of this request); streams end with
+  `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dspark_jax.engine.http_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_response,
+    parse_body,
+)
+from dspark_jax.engine.http_text import IncrementalDetokenizer, StopStrings
+from dspark_jax.engine.server_metrics import ServerMetrics
+from dspark_jax.engine.serving import QueueFull, RequestParams
+from dspark_jax.models.validate import RequestError
+
+MAX_BODY_BYTES = 4 << 20
+
+
+class _State:
+    """What the handlers share: the engine, the tokenizer and the server's limits."""
+
+    def __init__(self, engine, tokenizer, model_name, stop_ids, max_len, vocab_size, drain_s):
+        self.engine = engine
+        self.tok = tokenizer
+        self.model = model_name
+        self.eos_ids = tuple(int(i) for i in stop_ids)
+        self.max_len = int(max_len)
+        self.vocab = int(vocab_size)
+        self.drain_s = float(drain_s)
+        self.draining = False
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(engine.metrics, model_name)
+
+
+def create_app(
+    engine,
+    tokenizer,
+    model_name: str,
+    *,
+    stop_ids: Sequence[int] = (),
+    max_len: int | None = None,
+    vocab_size: int | None = None,
+    drain_timeout_s: float = 30.0,
+    manage_engine: bool = True,
+) -> FastAPI:
+    """The FastAPI app. With `manage_engine`, the app's lifespan starts the engine (after
+    `warmup()`, which the caller may already have run) and drains it on shutdown."""
+    max_len = max_len or engine.max_len
+    vocab_size = vocab_size or engine.tcfg.vocab_size
+    st = _State(engine, tokenizer, model_name, stop_ids, max_len, vocab_size, drain_timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if manage_engine:
+            engine.start()
+        try:
+            yield
+        finally:
+            st.draining = True
+            if manage_engine:
+                await asyncio.to_thread(engine.shutdown, drain=True, timeout=st.drain_s)
+
+    app = FastAPI(title="dspark-jax", lifespan=lifespan)
+    app.state.server = st
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc):
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.get("/health")
+    async def health():
+        if st.draining:
+            return error_response(503, "the server is shutting down")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": st.model, "object": "model", "created": st.created,
+                "owned_by": "dspark-jax", "max_model_len": st.max_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await _parse(st, request, CompletionRequest)
+        prompt = req.single_prompt()
+        if isinstance(prompt, str):
+            ids = st.tok(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = list(prompt)
+            bad = [i for i in ids if not 0 <= i < st.vocab]
+            if bad:
+                raise _reject(st, APIError(400, f"prompt token ids must lie in [0, {st.vocab}); "
+                                                f"got {bad[:4]}", param="prompt"))  # fmt: skip
+        return await _serve(st, request, req, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await _parse(st, request, ChatCompletionRequest)
+        try:
+            text = st.tok.apply_chat_template(
+                req.template_messages(), tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+            )  # fmt: skip
+        except Exception as e:  # jinja raises its own errors for messages it cannot render
+            raise _reject(st, APIError(400, f"messages: the chat template failed: {e}",
+                                       param="messages")) from None  # fmt: skip
+        ids = st.tok(text, add_special_tokens=False)["input_ids"]
+        return await _serve(st, request, req, ids, chat=True)
+
+    return app
+
+
+def _reject(st: _State, err: APIError) -> APIError:
+    st.metrics.rejected({429: "queue_full", 503: "unavailable"}.get(err.status, "invalid"))
+    return err
+
+
+async def _parse(st: _State, request: Request, model):
+    if st.draining:
+        raise _reject(st, APIError(503, "the server is shutting down; retry on another replica"))
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise _reject(st, APIError(413, f"request body over {MAX_BODY_BYTES} bytes"))
+    try:
+        req = parse_body(model, raw)
+    except APIError as e:
+        raise _reject(st, e) from None
+    if req.model is not None and req.model != st.model:
+        raise _reject(st, APIError(404, f"the model {req.model!r} does not exist; this server "
+                                        f"serves {st.model!r}", param="model"))  # fmt: skip
+    return req
+
+
+def _params(st: _State, req, prompt_len: int) -> RequestParams:
+    if prompt_len == 0:
+        raise APIError(400, "the prompt is empty; send at least one token", param="prompt")
+    if prompt_len >= st.max_len:
+        raise APIError(400, f"this model's maximum context length is {st.max_len} tokens and "
+                            f"the prompt has {prompt_len}; shorten the prompt",
+                       param="prompt")  # fmt: skip
+    max_tokens = req.max_tokens if req.max_tokens is not None else st.max_len - prompt_len
+    if prompt_len + max_tokens > st.max_len:
+        raise APIError(400, f"this model's maximum context length is {st.max_len} tokens; the "
+                            f"prompt ({prompt_len}) plus max_tokens ({max_tokens}) exceeds it — "
+                            f"lower max_tokens to <= {st.max_len - prompt_len}",
+                       param="max_tokens")  # fmt: skip
+    extra = req.extra_stop_ids()
+    bad = [i for i in extra if not 0 <= i < st.vocab]
+    if bad:
+        raise APIError(400, f"stop token ids must lie in [0, {st.vocab}); got {bad[:4]}",
+                       param="stop_token_ids")  # fmt: skip
+    stop_ids = tuple(dict.fromkeys(([] if req.ignore_eos else list(st.eos_ids)) + extra))
+    return RequestParams(
+        max_new_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
+        top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop_ids=stop_ids,
+    )  # fmt: skip
+
+
+async def _serve(st: _State, request: Request, req, ids: list[int], *, chat: bool):
+    t0 = time.perf_counter()
+    try:
+        params = _params(st, req, len(ids))
+        handle = st.engine.submit(list(ids), params)
+    except APIError as e:
+        raise _reject(st, e) from None
+    except QueueFull as e:
+        raise _reject(st, APIError(429, f"the request queue is full ({e}); retry later")) from None
+    except RequestError as e:
+        raise _reject(st, APIError(400, str(e))) from None
+    except RuntimeError as e:  # the engine is not running (shutting down)
+        raise _reject(st, APIError(503, f"the engine is not accepting requests: {e}")) from None
+    st.metrics.prompt_tokens.inc(len(ids))
+    run = _Run(st, handle, req, params.stop_ids, t0)
+    kind = "chat.completion" if chat else "text_completion"
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    base = {"id": rid, "object": kind + (".chunk" if chat and req.stream else ""),
+            "created": int(time.time()), "model": st.model}  # fmt: skip
+    if req.stream:
+        return StreamingResponse(
+            _sse_stream(run, base, req, len(ids), chat=chat), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )  # fmt: skip
+    return await _unary(run, request, base, req, len(ids), chat=chat)
+
+
+class _Run:
+    """One request's deltas turned into text pieces; records the finish reason and stats."""
+
+    def __init__(self, st: _State, handle, req, stop_ids, t0: float):
+        self.st, self.handle, self.t0 = st, handle, t0
+        self.detok = IncrementalDetokenizer(st.tok)
+        self.stops = StopStrings(req.stop_strings())
+        self.stop_ids = set(stop_ids)
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats = None
+        self._last = None
+        self._engine_done = False
+        self._recorded = False
+
+    async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
+        """(text, token ids) per engine delta; stops at the end of the request."""
+        m = self.st.metrics
+        async for d in self.handle.astream():
+            toks = [int(t) for t in d.tokens]
+            if d.stats is not None:
+                self.stats = d.stats
+            if toks and self.finish_reason is None:
+                now = time.perf_counter()
+                if self._last is None:
+                    m.ttft.observe(now - self.t0)
+                else:
+                    for _ in toks:
+                        m.itl.observe((now - self._last) / len(toks))
+                self._last = now
+                m.generation_tokens.inc(len(toks))
+                self.tokens += toks
+                shown = toks
+                if d.finished and d.finish_reason == "stop" and toks[-1] in self.stop_ids:
+                    shown = toks[:-1]  # the stop token is not part of the text
+                text, hit = self.stops.push(self.detok.add(shown))
+                if hit:
+                    self.finish_reason = "stop"
+                    if not d.finished:
+                        self.handle.cancel()  # drain to the final delta for the stats
+                if text or toks:
+                    yield text, toks
+            if d.finished:
+                self._engine_done = True
+                if self.finish_reason is None:
+                    self.finish_reason = d.finish_reason or "stop"
+                    tail, _ = self.stops.push(self.detok.flush())
+                    tail += self.stops.flush()
+                    if tail:
+                        yield tail, []
+                break
+        self._record({"cancelled": "abort"}.get(self.finish_reason, self.finish_reason))
+
+    def _record(self, outcome: str) -> None:
+        if not self._recorded:
+            self._recorded = True
+            self.st.metrics.finished(outcome)
+            self.st.metrics.e2e.observe(time.perf_counter() - self.t0)
+
+    def abort(self) -> None:
+        """The client went away: cancel in the engine (frees the slot at the next round)."""
+        if not self._engine_done:
+            self.handle.cancel()
+        if self.finish_reason is None:
+            self.finish_reason = "cancelled"
+        self._record("abort" if self.finish_reason == "cancelled" else self.finish_reason)
+
+    def usage(self, prompt_len: int) -> dict[str, int]:
+        n = len(self.tokens)
+        return {"prompt_tokens": prompt_len, "completion_tokens": n,
+                "total_tokens": prompt_len + n}  # fmt: skip
+
+    def spec_stats(self) -> dict[str, Any] | None:
+        s = self.stats
+        if s is None:
+            return None
+        return {"rounds": int(s.rounds), "drafted": int(s.drafted), "verified": int(s.verified),
+                "accepted": int(s.accepted),
+                "mean_accepted_length": float(s.mean_accepted_length)}  # fmt: skip
+
+
+def _choice(chat: bool, text: str | None, finish: str | None, *, delta: bool) -> dict:
+    if not chat:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    if delta:
+        return {"index": 0, "delta": {} if text is None else {"content": text},
+                "logprobs": None, "finish_reason": finish}  # fmt: skip
+    msg = {"role": "assistant", "content": text or ""}
+    return {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
+
+
+def _public_reason(reason: str | None) -> str | None:
+    return {"cancelled": "stop"}.get(reason, reason)
+
+
+async def _unary(run: _Run, request: Request, base, req, prompt_len, *, chat: bool):
+    async def collect():
+        parts = []
+        async for text, _ in run.pieces():
+            parts.append(text)
+        return "".join(parts)
+
+    work = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if work not in done:
+        work.cancel()
+        run.abort()
+        return Response(status_code=499)  # nobody reads it
+    gone.cancel()
+    text = work.result()
+    if run.finish_reason == "error":
+        raise APIError(500, "the engine failed while generating this request")
+    choice = _choice(chat, text, _public_reason(run.finish_reason), delta=False)
+    if req.return_token_ids:
+        choice["token_ids"] = run.tokens
+    body = dict(base, choices=[choice], usage=run.usage(prompt_len))
+    body["spec_stats"] = run.spec_stats()
+    return JSONResponse(body)
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _sse_stream(run: _Run, base, req, prompt_len, *, chat: bool):
+    finished = False
+    try:
+        if chat:
+            first = _choice(True, "", None, delta=True)
+            first["delta"]["role"] = "assistant"
+            yield _sse(dict(base, choices=[first], usage=None))
+        async for text, toks in run.pieces():
+            choice = _choice(chat, text, None, delta=True)
+            if req.return_token_ids:
+                choice["token_ids"] = toks
+            yield _sse(dict(base, choices=[choice], usage=None))
+        finished = True
+        if run.finish_reason == "error":
+            yield _sse({"error": {"message": "the engine failed while generating this request",
+                                  "type": "internal_server_error", "code": 500}})  # fmt: skip
+        else:
+            last = _choice(chat, None if chat else "", _public_reason(run.finish_reason),
+                           delta=True)  # fmt: skip
+            yield _sse(dict(base, choices=[last], usage=None, spec_stats=run.spec_stats()))
+            if req.include_usage:
+                yield _sse(dict(base, choices=[], usage=run.usage(prompt_len),
+                                spec_stats=run.spec_stats()))  # fmt: skip
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:  # client disconnected (the response task was cancelled) or an error
+            run.abort()
+
+
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, **kw):
+    """Start uvicorn for `app` in a daemon thread; returns `(server, thread, port)` once it
+    listens. Stop with `server.should_exit = True; thread.join()` (tests, benchmarks)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=kw.pop("log_level", "warning"),
+                            lifespan="on", **kw)  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, bound
+
+
+def run_server(app: FastAPI, host: str, port: int, *, drain_timeout_s: float = 30.0,
+               log_level: str = "info") -> None:  # fmt: skip
+    """Serve until SIGINT/SIGTERM; then stop accepting, let open requests finish (up to
+    `drain_timeout_s`, then cancel them), drain the engine and return."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=int(max(drain_timeout_s, 1)))  # fmt: skip
+    uvicorn.Server(config).run()
