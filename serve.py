@@ -12,7 +12,6 @@ distribution at any temperature / top-k / top-p) and prints the text with τ.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ def main(argv=None) -> int:
     g.add_argument("--run-dir", required=True)
     g.add_argument("--drafter", default="dspark", choices=("dspark", "dflash", "eagle3"))
     g.add_argument("--prompt", action="append", required=True, help="repeatable (a batch)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -37,36 +36,29 @@ def main(argv=None) -> int:
     )  # fmt: skip
     g.add_argument("--threshold", type=float, default=0.5)
     g.add_argument("--cost-profile", default="", help="decode_cost.py JSON (SPS(B) table)")
+    g.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = ap.parse_args(argv)
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from dspark_jax.config import ConfigError
-    from dspark_jax.pipeline_config import PipelineConfig, from_json
+    from dspark_jax.run.cli import report, user_errors
+    from dspark_jax.run.rundir import RunDir
     from dspark_jax.train.data import encode_prompt
-    from dspark_jax.train.pipeline import Pipeline
 
-    cfg_path = os.path.join(args.run_dir, "config.json")
-    if not os.path.exists(cfg_path):
-        print(f"error: {cfg_path} not found; run train.py first", file=sys.stderr)
-        return 2
-    saved = json.load(open(cfg_path))
     try:
-        cfg = from_json(PipelineConfig, saved)
-        pipe = Pipeline(cfg, log=lambda *_: None)
-        tok = pipe.tokenizer()
-        dec = pipe.decoder(args.drafter)
-        policy = _policy(args, pipe, dec)
+        run = RunDir(args.run_dir)
+        tok = run.tokenizer()
+        dec = run.decoder(args.drafter)
+        policy = _policy(args, run, dec)
         prompts = [encode_prompt(tok, p).tolist() for p in args.prompt]
         t0 = time.perf_counter()
         res = dec.generate(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seeds=[args.seed + i for i in range(len(prompts))],
-            stop_ids=pipe.stop_ids(), policy=policy,
+            stop_ids=run.stop_ids(), policy=policy,
         )  # fmt: skip
         dt = time.perf_counter() - t0
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except user_errors() as e:
+        return report(e, args.debug)
     for p, r in zip(args.prompt, res):
         text = tok.decode(r.tokens, skip_special_tokens=True)
         tau = (sum(r.num_accepted) + len(r.num_accepted) - sum(r.eos)) / max(len(r.num_accepted), 1)
@@ -77,7 +69,17 @@ def main(argv=None) -> int:
     return 0
 
 
-def _policy(args, pipe, dec):
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _policy(args, run, dec):
     if args.policy == "fixed":
         return None
     import numpy as np
@@ -87,16 +89,19 @@ def _policy(args, pipe, dec):
 
     if dec.dcfg.kind != "dspark":
         raise ValueError(f"--policy {args.policy} needs confidences: use --drafter dspark")
-    sts_path = pipe.stage_dir("calibrate") / "sts.json"
-    sts = STS.load(sts_path) if sts_path.exists() else STS.identity(dec.dcfg.block_size)
+    sts = run.sts("dspark") or STS.identity(dec.dcfg.block_size)
     if args.policy == "threshold":
         pol = policies.StaticThreshold(args.threshold)
     else:
         from dspark_jax.sched.cost import CostProfile
 
-        if not args.cost_profile:
-            raise ValueError("--policy dspark needs --cost-profile (benchmarks/decode_cost.py)")
-        pol = policies.CausalGreedy(CostProfile.load(args.cost_profile))
+        cost = CostProfile.load(args.cost_profile) if args.cost_profile else run.cost_profile()
+        if cost is None:
+            raise ValueError(
+                f"--policy dspark needs a cost profile — pass --cost-profile FILE or put one at "
+                f"{run.cost_profile_path()} (benchmarks/decode_cost.py writes it)"
+            )
+        pol = policies.CausalGreedy(cost)
 
     def choose(conf_logits):
         return pol(sts.probs(np.asarray(conf_logits)))

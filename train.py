@@ -36,13 +36,14 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="", help="comma-separated subset of stages to run")
     ap.add_argument("--force", default="", help="comma-separated stages to redo even if cached")
     ap.add_argument("--run-dir", default="", help="override run_dir")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = ap.parse_args(argv)
 
     import os
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from dspark_jax.config import ConfigError
     from dspark_jax.pipeline_config import apply_overrides
+    from dspark_jax.run.cli import report, user_errors
     from dspark_jax.train.pipeline import STAGES, Pipeline, stage_summary
 
     try:
@@ -53,9 +54,8 @@ def main(argv=None) -> int:
         force = tuple(s for s in args.force.split(",") if s)
         pipe = Pipeline(cfg)
         pipe.run_stages(stages, force=force)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except user_errors() as e:
+        return report(e, args.debug)
     print(stage_summary(pipe))
     return 0
 

@@ -17,14 +17,14 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspark_jax.config import ConfigError, DrafterConfig, TargetConfig, TrainConfig
+from dspark_jax.config import ConfigError, TrainConfig
 from dspark_jax.pipeline_config import PipelineConfig
+from dspark_jax.run.rundir import RunDir
 
 STAGES = ("corpus", "tokenizer", "target", "regenerate", "drafters", "calibrate", "evaluate")
 # what each stage's cache key depends on (its own section and the stages before it)
@@ -73,7 +73,7 @@ class Pipeline:
         self.log = log
         self.timings: dict[str, float] = {}
         self.status: dict[str, str] = {}
-        self._cache: dict[str, Any] = {}
+        self.rundir = RunDir(self.run, config=cfg)
         self._validate()
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -153,50 +153,22 @@ class Pipeline:
                 f"(--stages {stage},...) or drop --stages"
             )
 
-    # -- shared loaders ----------------------------------------------------------------------
+    # -- shared loaders (the run directory's, see dspark_jax.run.rundir) -----------------------
 
     def tokenizer(self):
-        if "tok" not in self._cache:
-            from dspark_jax.train.tokenizer import load_tokenizer
-
-            c = self.cfg
-            path = c.tokenizer.path or c.target.path or self.stage_dir("tokenizer")
-            self._cache["tok"] = load_tokenizer(path)
-        return self._cache["tok"]
+        return self.rundir.tokenizer()
 
     def stop_ids(self) -> list[int]:
-        tok = self.tokenizer()
-        ids = []
-        for name in ("<|im_end|>", "<|endoftext|>"):
-            i = tok.convert_tokens_to_ids(name)
-            if isinstance(i, int) and i >= 0 and i != tok.unk_token_id:
-                ids.append(i)
-        if tok.eos_token_id is not None and tok.eos_token_id not in ids:
-            ids.append(tok.eos_token_id)
-        return ids
+        return self.rundir.stop_ids()
 
-    def mask_token_id(self, tcfg: TargetConfig) -> int:
-        tok = self.tokenizer()
-        i = tok.convert_tokens_to_ids("<|mask|>")
-        if isinstance(i, int) and i >= 0 and i != tok.unk_token_id:
-            return i
-        # Qwen3 convention: the first embedding row past the tokenizer's vocabulary
-        n = len(tok)
-        if n >= tcfg.vocab_size:
-            raise ConfigError(
-                "no <|mask|> token and no spare embedding row for the drafter's mask token"
-            )
-        return n
+    def target(self):
+        return self.rundir.target()
 
-    def target(self) -> tuple[TargetConfig, Any]:
-        if "target" not in self._cache:
-            from dspark_jax.models.hf import load_target
+    def drafter(self, kind: str):
+        return self.rundir.drafter(kind)
 
-            path = self.cfg.target.path or self.stage_dir("target") / "hf"
-            self._cache["target"] = load_target(
-                path, target_layer_ids=self.cfg.target.target_layer_ids or None
-            )
-        return self._cache["target"]
+    def decoder(self, kind: str):
+        return self.rundir.decoder(kind)
 
     def corpus_files(self):
         from dspark_jax.train.corpus import build_corpus
@@ -244,7 +216,7 @@ class Pipeline:
         self._require("corpus")
         files = self.corpus_files()
         tok = train_tokenizer(files.text, self.stage_dir("tokenizer"), c.tokenizer.vocab_size)
-        self._cache["tok"] = tok
+        self.rundir.set_tokenizer(tok)
         return {"vocab": len(tok)}
 
     def _training_conversations(self):
@@ -291,7 +263,7 @@ class Pipeline:
         )
         params, log = train_lm(tcfg, train, lm, self.stage_dir("target"), heldout_token_lists=held)
         save_target_hf(tcfg, params, self.stage_dir("target") / "hf", tokenizer=tok)
-        self._cache.pop("target", None)
+        self.rundir.forget("target")
         write_json_atomic(self.stage_dir("target") / "train_log.json", log)
         return {"params": _count(params), "final": log[-1] if log else None}
 
@@ -367,22 +339,6 @@ class Pipeline:
         n_cal = min(self.cfg.calibrate.max_prompts, max(len(convs) // 10, 1))
         return convs[: len(convs) - n_cal], convs[len(convs) - n_cal :]
 
-    def drafter_config(self, kind: str, tcfg: TargetConfig) -> DrafterConfig:
-        d = self.cfg.drafters
-        common = dict(block_size=d.block_size, seed=d.seed)
-        if kind == "eagle3":
-            return DrafterConfig.eagle3(tcfg, **common)
-        common.update(
-            num_layers=d.num_layers,
-            num_anchors=d.num_anchors,
-            mask_token_id=self.mask_token_id(tcfg),
-        )
-        if kind == "dflash":
-            return DrafterConfig.dflash(tcfg, **common)
-        return DrafterConfig.dspark(
-            tcfg, markov_rank=d.markov_rank, markov_head_type=d.markov_head_type, **common
-        )
-
     def _stage_drafters(self):
         from dspark_jax.train.data import RenderConfig, encode_conversations
         from dspark_jax.train.trainer import Trainer
@@ -398,7 +354,7 @@ class Pipeline:
         eval_s, train_s = samples[:n_eval], samples[n_eval:]
         info = {}
         for kind in d.kinds:
-            dcfg = self.drafter_config(kind, tcfg)
+            dcfg = self.rundir.drafter_config(kind, tcfg)
             tc = TrainConfig(
                 learning_rate=d.lr, total_steps=d.steps, warmup_ratio=0.05,
                 global_batch_size=d.batch_size, micro_batch_size=d.batch_size,
@@ -415,36 +371,11 @@ class Pipeline:
             info[kind] = {"best_step": res.best_step, "best_sim_tau": res.best_score}
         return info
 
-    def drafter(self, kind: str):
-        from dspark_jax import drafters as dr
-        from dspark_jax.train.trainer import load_best_params
-
-        key = f"drafter_{kind}"
-        if key not in self._cache:
-            tcfg, tparams = self.target()
-            dcfg = self.drafter_config(kind, tcfg)
-            params = dr.init_params(dcfg, target_params=tparams)
-            _, trainable, _ = load_best_params(self.stage_dir("drafters") / kind, params.trainable)
-            self._cache[key] = (dcfg, dr.DrafterParams(trainable, params.frozen))
-        return self._cache[key]
-
-    def decoder(self, kind: str):
-        from dspark_jax.engine.speculative import SpeculativeDecoder
-
-        tcfg, tparams = self.target()
-        dcfg, dparams = self.drafter(kind)
-        e = self.cfg.evaluate
-        buckets = tuple(b for b in (64, 128, 256, 512, 1024, 2048, 4096) if b < e.max_len)
-        return SpeculativeDecoder(
-            tcfg, dcfg, tparams, dparams, max_len=e.max_len,
-            length_buckets=buckets or (e.max_len // 2,),
-        )  # fmt: skip
-
     def max_prompt_len(self, max_new_tokens: int) -> int:
         """Longest prompt the evaluation decoder takes (prompt + new tokens + γ + 1 ≤ max_len)."""
         e = self.cfg.evaluate
         limit = e.max_len - max_new_tokens - self.cfg.drafters.block_size - 2
-        return min(limit, max(b for b in (64, 128, 256, 512, 1024, 2048, 4096) if b < e.max_len))
+        return min(limit, max(self.rundir.length_buckets(e.max_len)))
 
     def _stage_calibrate(self):
         from dspark_jax.eval.offline import EvalDataset, calibration_pairs, run_dataset

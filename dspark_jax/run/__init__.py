@@ -1,0 +1,5 @@
+"""The run directory: loading a trained run (`RunDir`)."""
+
+from dspark_jax.run.rundir import RunDir
+
+__all__ = ["RunDir"]

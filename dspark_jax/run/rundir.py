@@ -1,0 +1,217 @@
+"""`RunDir`: everything a consumer needs from a trained run directory, in one place.
+
+A run directory written by `train.py` is self-contained: every path inside it is resolved
+relative to the directory itself (never the current directory), so it can be loaded from any
+cwd and after it was copied or moved. External inputs (`target.path`, `tokenizer.path`) are
+stored as absolute paths in `config.json` by the pipeline.
+
+    run = RunDir("runs/tiny")
+    tok = run.tokenizer()
+    tcfg, tparams = run.target()
+    dcfg, dparams = run.drafter("dspark")      # best checkpoint
+    sts = run.sts()                            # calibration (or None)
+    cost = run.cost_profile()                  # <run>/cost_profile.json (or None)
+
+Loaded objects are cached on the instance (a run directory is read once per process).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dspark_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dspark_jax.pipeline_config import PipelineConfig, from_json
+from dspark_jax.train.checkpoint import CheckpointError
+
+DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
+# prompt-length buckets of the evaluation / generation decoder (those below max_len are used)
+LENGTH_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class RunDir:
+    """A trained run directory. `config` is read from `<path>/config.json` unless given."""
+
+    def __init__(self, path, config: PipelineConfig | None = None):
+        self.path = Path(path).expanduser().resolve()
+        if config is None:
+            config = self._read_config()
+        self.config: PipelineConfig = config
+        self._cache: dict[str, Any] = {}
+
+    def _read_config(self) -> PipelineConfig:
+        f = self.path / "config.json"
+        if not self.path.is_dir():
+            raise FileNotFoundError(
+                f"run directory {self.path} does not exist — train one first: "
+                f"python train.py --config configs/tiny.py --run-dir {self.path}"
+            )
+        if not f.is_file():
+            raise FileNotFoundError(
+                f"{f} not found — {self.path} is not a run directory written by train.py"
+            )
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{f} is not valid JSON ({e}) — restore it or retrain") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{f} must hold a JSON object — restore it or retrain")
+        return from_json(PipelineConfig, d)
+
+    # -- layout ---------------------------------------------------------------------------
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.path / stage
+
+    def forget(self, *names: str) -> None:
+        """Drop cached objects (e.g. after the pipeline retrained the target)."""
+        for n in names or list(self._cache):
+            self._cache.pop(n, None)
+
+    # -- tokenizer ------------------------------------------------------------------------
+
+    def tokenizer_path(self) -> Path:
+        c = self.config
+        return Path(c.tokenizer.path or c.target.path or self.stage_dir("tokenizer"))
+
+    def tokenizer(self):
+        if "tok" not in self._cache:
+            from dspark_jax.train.tokenizer import load_tokenizer
+
+            self._cache["tok"] = load_tokenizer(self.tokenizer_path())
+        return self._cache["tok"]
+
+    def set_tokenizer(self, tok) -> None:
+        self._cache["tok"] = tok
+
+    def stop_ids(self) -> list[int]:
+        tok = self.tokenizer()
+        ids = []
+        for name in ("<|im_end|>", "<|endoftext|>"):
+            i = tok.convert_tokens_to_ids(name)
+            if isinstance(i, int) and i >= 0 and i != tok.unk_token_id:
+                ids.append(i)
+        if tok.eos_token_id is not None and tok.eos_token_id not in ids:
+            ids.append(tok.eos_token_id)
+        return ids
+
+    def mask_token_id(self, tcfg: TargetConfig) -> int:
+        tok = self.tokenizer()
+        i = tok.convert_tokens_to_ids("<|mask|>")
+        if isinstance(i, int) and i >= 0 and i != tok.unk_token_id:
+            return i
+        # Qwen3 convention: the first embedding row past the tokenizer's vocabulary
+        n = len(tok)
+        if n >= tcfg.vocab_size:
+            raise ConfigError(
+                "no <|mask|> token and no spare embedding row for the drafter's mask token — "
+                "add <|mask|> to the tokenizer"
+            )
+        return n
+
+    # -- target -----------------------------------------------------------------------------
+
+    def target_path(self) -> Path:
+        return Path(self.config.target.path or self.stage_dir("target") / "hf")
+
+    def target(self) -> tuple[TargetConfig, Any]:
+        if "target" not in self._cache:
+            from dspark_jax.models.hf import load_target
+
+            path = self.target_path()
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"no target checkpoint in {path} — run the target stage: "
+                    f"python train.py --config <preset> --run-dir {self.path}"
+                )
+            self._cache["target"] = load_target(
+                path, target_layer_ids=self.config.target.target_layer_ids or None
+            )
+        return self._cache["target"]
+
+    # -- drafters ---------------------------------------------------------------------------
+
+    def drafter_config(self, kind: str, tcfg: TargetConfig) -> DrafterConfig:
+        d = self.config.drafters
+        common = dict(block_size=d.block_size, seed=d.seed)
+        if kind == "eagle3":
+            return DrafterConfig.eagle3(tcfg, **common)
+        common.update(
+            num_layers=d.num_layers,
+            num_anchors=d.num_anchors,
+            mask_token_id=self.mask_token_id(tcfg),
+        )
+        if kind == "dflash":
+            return DrafterConfig.dflash(tcfg, **common)
+        return DrafterConfig.dspark(
+            tcfg, markov_rank=d.markov_rank, markov_head_type=d.markov_head_type, **common
+        )
+
+    def drafter_dir(self, kind: str) -> Path:
+        return self.stage_dir("drafters") / kind
+
+    def drafter(self, kind: str):
+        """`(DrafterConfig, DrafterParams)` of the best checkpoint of drafter `kind`."""
+        if kind not in DRAFTER_KINDS:
+            raise ConfigError(f"unknown drafter kind {kind!r} — use one of {DRAFTER_KINDS}")
+        key = f"drafter_{kind}"
+        if key not in self._cache:
+            from dspark_jax import drafters as dr
+            from dspark_jax.train.trainer import load_best_params
+
+            best = self.drafter_dir(kind) / "best"
+            if kind not in self.config.drafters.kinds or not best.is_dir():
+                trained = [k for k in self.config.drafters.kinds if self.has_drafter(k)]
+                raise CheckpointError(
+                    f"no trained {kind} drafter in {self.path} (no {best}) — use "
+                    + (f"--drafter {trained[0]}" if trained else "train.py to train one")
+                )
+            tcfg, tparams = self.target()
+            dcfg = self.drafter_config(kind, tcfg)
+            params = dr.init_params(dcfg, target_params=tparams)
+            _, trainable, _ = load_best_params(self.drafter_dir(kind), params.trainable)
+            self._cache[key] = (dcfg, dr.DrafterParams(trainable, params.frozen))
+        return self._cache[key]
+
+    def has_drafter(self, kind: str) -> bool:
+        return (self.drafter_dir(kind) / "best").is_dir()
+
+    # -- calibration and cost -----------------------------------------------------------------
+
+    def sts(self, kind: str = "dspark"):
+        """The STS calibration of `kind`'s confidences, or None (not calibrated / no confidences)."""
+        from dspark_jax.sched.sts import STS
+
+        f = self.stage_dir("calibrate") / "sts.json"
+        if kind != "dspark" or not f.is_file():
+            return None
+        return STS.load(f)
+
+    def cost_profile_path(self) -> Path:
+        return self.path / "cost_profile.json"
+
+    def cost_profile(self):
+        """The `CostProfile` in `<run>/cost_profile.json`, or None when there is none."""
+        from dspark_jax.sched.cost import CostProfile
+
+        f = self.cost_profile_path()
+        return CostProfile.load(f) if f.is_file() else None
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    def length_buckets(self, max_len: int) -> tuple[int, ...]:
+        return tuple(b for b in LENGTH_BUCKETS if b < max_len) or (max_len // 2,)
+
+    def decoder(self, kind: str, max_len: int | None = None):
+        """A `SpeculativeDecoder` of the target and drafter `kind` (`max_len` defaults to the
+        evaluation's)."""
+        from dspark_jax.engine.speculative import SpeculativeDecoder
+
+        max_len = max_len or self.config.evaluate.max_len
+        tcfg, tparams = self.target()
+        dcfg, dparams = self.drafter(kind)
+        return SpeculativeDecoder(
+            tcfg, dcfg, tparams, dparams, max_len=max_len,
+            length_buckets=self.length_buckets(max_len),
+        )  # fmt: skip
