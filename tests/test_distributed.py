@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ def test_eight_device_mesh_matches_one_device_and_checkpoints_cross_meshes(tmp_p
     assert len({d.id for d in heads.sharding.device_set}) == 8
     part = t.run(max_steps=2)
     t.close()
-    np.testing.assert_allclose(
+    chex.assert_trees_all_close(
         [h["loss"] for h in part.history], [h["loss"] for h in ref.history[:2]], rtol=1e-5
     )
     # the 8-device checkpoint resumes on one device and continues the same trajectory
@@ -46,7 +47,7 @@ def test_eight_device_mesh_matches_one_device_and_checkpoints_cross_meshes(tmp_p
     assert resumed.resumed_from == 2
     rest = resumed.run()
     resumed.close()
-    np.testing.assert_allclose(
+    chex.assert_trees_all_close(
         [h["loss"] for h in rest.history], [h["loss"] for h in ref.history[2:]], rtol=1e-5
     )
 

@@ -33,6 +33,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -61,11 +62,15 @@ def target_features(
     right-padded: positions are 0..L-1 and attention is causal, so padding never changes a real
     token's outputs. No KV cache and no logits are computed.
     """
+    chex.assert_rank(input_ids_BxL, 2)
+    chex.assert_type(input_ids_BxL, int)
     b, length = input_ids_BxL.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
     out, _ = transformer.forward(
         target_cfg, target_params, input_ids_BxL, positions, None, compute_logits=False
     )
+    chex.assert_shape(out.features, (b, length, target_cfg.feature_size))
+    chex.assert_shape(out.hidden, (b, length, target_cfg.hidden_size))
     return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.hidden)
 
 

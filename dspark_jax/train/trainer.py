@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -275,6 +276,15 @@ def _loss_batch(spec: _StepSpec, target_params, batch):
         feats, hidden = target_features(spec.target, target_params, batch["input_ids"])
     else:
         feats, hidden = batch["target_features"], batch["target_hidden"]
+    # the loss contract (module docstring), checked at trace time: no runtime cost
+    ids = batch["input_ids"]
+    chex.assert_rank(ids, 2)
+    chex.assert_type(ids, int)
+    chex.assert_equal_shape([ids, batch["loss_mask"], batch["attention_mask"]])
+    chex.assert_equal_shape_prefix([ids, feats, hidden], 2)
+    if spec.target is not None:
+        chex.assert_axis_dimension(feats, 2, spec.target.feature_size)
+        chex.assert_axis_dimension(hidden, 2, spec.target.hidden_size)
     return {
         "input_ids": batch["input_ids"],
         "loss_mask": batch["loss_mask"],
