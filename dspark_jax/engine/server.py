@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -44,8 +45,8 @@ from dspark_jax.engine.http_protocol import (
     parse_body,
 )
 from dspark_jax.engine.http_text import IncrementalDetokenizer, StopStrings
+from dspark_jax.engine.requests import QueueFull, RequestParams
 from dspark_jax.engine.server_metrics import ServerMetrics
-from dspark_jax.engine.serving import QueueFull, RequestParams
 from dspark_jax.models.validate import RequestError
 
 MAX_BODY_BYTES = 4 << 20
@@ -64,7 +65,13 @@ class _State:
         self.drain_s = float(drain_s)
         self.draining = False
         self.created = int(time.time())
-        self.metrics = ServerMetrics(engine.metrics, model_name)
+        self.metrics = ServerMetrics(lambda: _as_dict(engine.metrics()), model_name)
+
+
+def _as_dict(snapshot) -> dict[str, Any]:
+    if dataclasses.is_dataclass(snapshot):
+        return dataclasses.asdict(snapshot)
+    return dict(snapshot)
 
 
 def create_app(
@@ -307,7 +314,7 @@ class _Run:
         if s is None:
             return None
         return {"rounds": int(s.rounds), "drafted": int(s.drafted), "verified": int(s.verified),
-                "accepted": int(s.accepted),
+                "accepted": int(s.accepted), "emitted": int(s.emitted),
                 "mean_accepted_length": float(s.mean_accepted_length)}  # fmt: skip
 
 

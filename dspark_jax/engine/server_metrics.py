@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
@@ -75,8 +75,6 @@ class ServerMetrics:
         self._rejected.labels(self._model, reason).inc()
 
     def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
         return generate_latest(self.registry)
 
 
@@ -132,8 +130,8 @@ class _EngineCollector:
 
 
 def _per_round_histogram(vpr, model: str):
-    """`verified_per_round[k]` = rounds (engine steps) that verified k draft tokens in total,
-    exported as a histogram with one bucket per k."""
+    """`verified_per_round[k]` = engine rounds that verified k draft tokens over all slots,
+    exported as a cumulative histogram with one bucket per k."""
     if vpr is None:
         return
     counts = list(vpr.values()) if isinstance(vpr, Mapping) else list(vpr)
