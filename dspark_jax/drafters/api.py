@@ -127,19 +127,22 @@ def propose(
     seeds_B,
     sampling: SamplingParams | None = None,
     scfg: SamplingConfig | None = None,
+    rounds_B=None,
 ) -> Proposal:
     """Draft γ tokens per request (see the package doc for keys and positions).
 
     Static: cfg, scfg (`spec.sampling.SamplingConfig`; None = plain sampling, greedy=True =
     argmax). Arrays: params, ctx, anchor [B] (the token at position ctx.lengths; Eagle3 already
     consumed it in `extend_context`), key (the engine's root key; draws use the DRAFT stream of
-    `spec.rng`), seeds [B], sampling (per-row `SamplingParams`; None = temperature 1).
+    `spec.rng`), seeds [B], sampling (per-row `SamplingParams`; None = temperature 1),
+    rounds [B] (optional per-request round counter: draft noise keyed by (seed, round, position),
+    the `spec.rng.DRAFT_ROUND` stream; the serving engine always passes it).
     """
     model = build(cfg, params)
     if cfg.kind == "eagle3":
-        return propose_eagle3(model, ctx, key, seeds_B, sampling, scfg)
+        return propose_eagle3(model, ctx, key, seeds_B, sampling, scfg, rounds_B=rounds_B)
     anchor_B = jnp.asarray(anchor_B, jnp.int32)
-    return propose_block(model, ctx, anchor_B, key, seeds_B, sampling, scfg)
+    return propose_block(model, ctx, anchor_B, key, seeds_B, sampling, scfg, rounds_B=rounds_B)
 
 
 propose_jit = jax.jit(propose, static_argnames=("cfg", "scfg"))

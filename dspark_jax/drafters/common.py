@@ -126,9 +126,15 @@ def block_attend(q_BxNxGxQxD, k_ctx_BxLxKxD, v_ctx_BxLxKxD, ctx_len_BxN, k_blk, 
 # keys and the draft sampling transform
 
 
-def draft_keys(key: jax.Array, seeds_B: jax.Array, positions_BxG: jax.Array) -> jax.Array:
+def draft_keys(
+    key: jax.Array, seeds_B: jax.Array, positions_BxG: jax.Array, rounds_B=None
+) -> jax.Array:
     """Per-(request, position) keys [B, G] of the DRAFT stream (`spec.rng`): independent of
-    batch composition and padding, and disjoint from the target's and the acceptance draws."""
+    batch composition and padding, and disjoint from the target's and the acceptance draws.
+    With `rounds_B` (the serving engine's per-request round counter) the DRAFT_ROUND stream is
+    used instead, so a re-drafted position never reuses an earlier round's noise."""
+    if rounds_B is not None:
+        return spec_rng.round_position_keys(key, seeds_B, rounds_B, positions_BxG)
     return spec_rng.position_keys(key, spec_rng.DRAFT, seeds_B, positions_BxG)
 
 

@@ -45,11 +45,13 @@ def propose_block(
     sampling=None,
     scfg=None,
     forced_BxG=None,
+    rounds_B=None,
 ) -> Proposal:
     """One block per request from the cached context, then sequential sampling.
 
     `forced_BxG` (tests, scoring): use these tokens instead of sampling; the recorded
     distributions are then exactly the teacher-forced ones of the training path.
+    `rounds_B` (serving engine): key the draft noise by the request's round counter too.
     """
     cfg = model.cfg
     g = cfg.block_size
@@ -57,7 +59,7 @@ def propose_block(
     z = single_block(model, ctx, anchor_B)  # [B, γ, H]
     base = model.base_logits(z)  # [B, γ, V]
     positions = ctx.lengths[:, None] + 1 + jnp.arange(g, dtype=jnp.int32)[None, :]
-    keys = draft_keys(key, seeds_B, positions)  # [B, γ]
+    keys = draft_keys(key, seeds_B, positions, rounds_B)  # [B, γ]
     head, conf_head = model.markov_head, model.confidence_head
     state0 = head.init_state((b,), z.dtype) if head is not None else jnp.zeros((), z.dtype)
     forced = jnp.zeros((b, g), jnp.int32) if forced_BxG is None else forced_BxG

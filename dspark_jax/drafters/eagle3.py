@@ -240,6 +240,7 @@ def propose_eagle3(
     sampling=None,
     scfg=None,
     forced_BxG=None,
+    rounds_B=None,
 ) -> Proposal:
     """γ autoregressive draft steps from ctx.g (the anchor was paired with the last committed
     feature by `extend_eagle3_context`). Draft step j ≥ 1 runs (g, token_{j−1}) at position
@@ -251,7 +252,8 @@ def propose_eagle3(
     b = ctx.lengths.shape[0]
     s = ctx.k.shape[1]
     start = ctx.lengths
-    keys = draft_keys(key, seeds_B, start[:, None] + 1 + jnp.arange(gam, dtype=jnp.int32)[None])
+    positions = start[:, None] + 1 + jnp.arange(gam, dtype=jnp.int32)[None]
+    keys = draft_keys(key, seeds_B, positions, rounds_B)
     forced = jnp.zeros((b, gam), jnp.int32) if forced_BxG is None else forced_BxG
     cache_mask = (jnp.arange(s)[None, :] < start[:, None])[:, None, :]  # [B, 1, S]
     nb = max(gam - 1, 1)

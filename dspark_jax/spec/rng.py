@@ -16,6 +16,11 @@ Streams (one per kind of draw, so no two draws ever share a key):
   position into whatever key it is given: pass it ``stream_key(root, SAMPLE)``).
 * ``DRAFT`` (1): the drafter's proposal at ``position``.
 * ``ACCEPT`` (2): the uniform that accepts or rejects the draft at ``position``.
+* ``DRAFT_ROUND`` (3): the drafter's proposal at ``position`` in the request's round ``r``
+  (``key = fold_in(fold_in(fold_in(stream_key(root, 3), seed), r), position)``). The serving
+  engine uses it: a position drafted in round ``r`` and not committed is re-drafted in a later
+  round with fresh noise, so an admission decided from round ``r``'s confidences (the async
+  scheduler's stale capacity) cannot correlate with the value a later round draws.
 
 Why this matters for correctness:
 
@@ -35,8 +40,18 @@ import jax.numpy as jnp
 SAMPLE = 0
 DRAFT = 1
 ACCEPT = 2
+DRAFT_ROUND = 3
 
-__all__ = ["SAMPLE", "DRAFT", "ACCEPT", "RequestRng", "stream_key", "position_keys"]
+__all__ = [
+    "SAMPLE",
+    "DRAFT",
+    "ACCEPT",
+    "DRAFT_ROUND",
+    "RequestRng",
+    "stream_key",
+    "position_keys",
+    "round_position_keys",
+]
 
 
 class RequestRng(NamedTuple):
@@ -74,3 +89,18 @@ def position_keys(root: jax.Array, stream: int, seeds: jax.Array, positions: jax
     if positions.ndim == 1:
         return jax.vmap(one)(seeds, positions)
     return jax.vmap(jax.vmap(one, in_axes=(None, 0)))(seeds, positions)
+
+
+def round_position_keys(root: jax.Array, seeds: jax.Array, rounds: jax.Array, positions):
+    """DRAFT_ROUND keys for ``(seed, round, position)``: seeds and rounds ``[B]``, positions
+    ``[B, N]``. Returns ``[B, N]`` keys. Traceable."""
+    key = stream_key(root, DRAFT_ROUND)
+    seeds = jnp.asarray(seeds).astype(jnp.uint32)
+    rounds = jnp.asarray(rounds).astype(jnp.uint32)
+    positions = jnp.asarray(positions).astype(jnp.uint32)
+
+    def row(seed, rnd, pos_N):
+        k = jax.random.fold_in(jax.random.fold_in(key, seed), rnd)
+        return jax.vmap(lambda p: jax.random.fold_in(k, p))(pos_N)
+
+    return jax.vmap(row)(seeds, rounds, positions)

@@ -1,0 +1,205 @@
+"""Device side of the serving engine: slot state, slot prefill and one packed speculative round.
+
+Slot state (`SlotState`, static shapes fixed at start-up): the target KV cache and the drafter
+context for `num_slots` slots of `max_len` positions, each slot's anchor (last committed token, at
+position `cache.lengths[s]`), its round counter and its pending proposal (drafted at the end of
+the previous round, or at admission). Inactive slots are masked everywhere (no K/V write, no
+commit); their proposal is garbage that nothing reads.
+
+`prefill_chunk` writes a prompt chunk into one slot (`max_len` cache, logits only at the last
+valid position); the last chunk also draws the first token exactly like plain decoding (stream
+SAMPLE at position prompt_len) and proposes the slot's first draft block.
+
+`packed_round` verifies the scheduled prefixes: the admitted tokens (anchor + l_r drafts for every
+active slot) are packed into a flat static bucket of T tokens (`models.packed`), so the target's
+cost follows `R + sum l_r`; attention reads are bounded by a cache-length bucket. Then it runs
+`spec.verify_core` per slot, commits (cache length, drafter context, anchor) and drafts the next
+block with noise keyed by (seed, round counter, position) (`spec.rng.DRAFT_ROUND`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax import drafters
+from dspark_jax.models import transformer as tf
+from dspark_jax.models.generate import sample_tokens
+from dspark_jax.models.packed import packed_forward
+from dspark_jax.spec import rng as rng_lib
+from dspark_jax.spec.verify import verify_core
+
+
+class SlotState(NamedTuple):
+    cache: tf.KVCache  # [N, ...]; cache.lengths[s] = position of slot s's anchor
+    ctx: object  # drafter context [N, ...]; ctx.lengths == cache.lengths for active slots
+    anchor: jax.Array  # [N] int32
+    rounds: jax.Array  # [N] int32, rounds verified since admission (keys the draft noise)
+    prop_tokens: jax.Array  # [N, γ] int32, the pending draft block
+    prop_probs: jax.Array  # [N, γ, V] fp32, the distributions it was drawn from
+    prop_conf: jax.Array  # [N, γ] fp32 raw confidence logits (zeros without a head)
+
+
+class RoundOut(NamedTuple):
+    emitted: jax.Array  # [N, γ+1] committed tokens (-1 past A+1 and for inactive slots)
+    num_accepted: jax.Array  # [N]
+    next_conf: jax.Array  # [N, γ] raw confidence logits of the next pending block
+
+
+def init_state(tcfg, dcfg, num_slots: int, max_len: int) -> SlotState:
+    g, v = dcfg.block_size, tcfg.vocab_size
+    return SlotState(
+        cache=tf.init_cache(tcfg, num_slots, max_len),
+        ctx=drafters.init_context(dcfg, num_slots, max_len),
+        anchor=jnp.zeros((num_slots,), jnp.int32),
+        rounds=jnp.zeros((num_slots,), jnp.int32),
+        prop_tokens=jnp.zeros((num_slots, g), jnp.int32),
+        prop_probs=jnp.zeros((num_slots, g, v), jnp.float32),
+        prop_conf=jnp.zeros((num_slots, g), jnp.float32),
+    )
+
+
+def _take_slot(tree, slot):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, 0), tree)
+
+
+def _put_slot(tree, one, slot):
+    return jax.tree.map(
+        lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), slot, 0), tree, one
+    )
+
+
+def _conf_or_zeros(prop, b, g):
+    if prop.conf_logits is None:
+        return jnp.zeros((b, g), jnp.float32)
+    return prop.conf_logits.astype(jnp.float32)
+
+
+def prefill_chunk(
+    tcfg,
+    dcfg,
+    scfg,
+    tparams,
+    dparams,
+    state: SlotState,
+    slot,
+    tokens_C,
+    next_C,
+    start,
+    n_valid,
+    is_last,
+    seed,
+    sp1,
+    key,
+):
+    """Write prompt tokens [start, start + n_valid) of one slot. Static: configs, scfg, C.
+
+    Arrays: slot, start, n_valid (>= 1), is_last (bool), seed (uint32), tokens_C (right-padded),
+    next_C (the committed token following each position, known for all but the prompt's last),
+    sp1 (batch-1 SamplingParams, None in greedy mode), key (engine root key).
+    Returns (state, first token, raw confidence logits [γ] of the slot's first block); the
+    latter two are meaningful only on the last chunk.
+    """
+    g = dcfg.block_size
+    c = tokens_C.shape[0]
+    cache1 = tf.KVCache(
+        _take_slot(state.cache.k, slot), _take_slot(state.cache.v, slot), start[None]
+    )
+    positions = (start + jnp.arange(c, dtype=jnp.int32))[None]
+    out, cache1 = tf.forward(tcfg, tparams, tokens_C[None], positions, cache1, compute_logits=False)
+    last_h = jax.lax.dynamic_slice_in_dim(out.hidden[0], n_valid - 1, 1, 0)  # [1, H]
+    logits = tf.build(tcfg, tparams).logits(last_h[None])[0]  # [1, V]
+    seed1 = seed[None]
+    pos1 = (start + n_valid)[None]
+    first = sample_tokens(logits, rng_lib.stream_key(key, rng_lib.SAMPLE), seed1, pos1, sp1, scfg)
+    idx = jnp.arange(c, dtype=jnp.int32)
+    nxt = jnp.where(is_last & (idx == n_valid - 1), first[0], next_C)
+    ctx1 = _take_slot(state.ctx, slot)
+    ctx1 = ctx1._replace(lengths=start[None])
+    ctx1 = drafters.extend_context(dcfg, dparams, ctx1, out.features, nxt[None], n_valid[None])
+    rounds1 = jnp.zeros((1,), jnp.int32)
+    prop = drafters.propose(dcfg, dparams, ctx1, first, key, seed1, sp1, scfg, rounds_B=rounds1)
+    conf = _conf_or_zeros(prop, 1, g)
+    cache = state.cache._replace(
+        k=_put_slot(state.cache.k, cache1.k, slot),
+        v=_put_slot(state.cache.v, cache1.v, slot),
+        lengths=jax.lax.dynamic_update_slice_in_dim(state.cache.lengths, pos1, slot, 0),
+    )
+    state = SlotState(
+        cache=cache,
+        ctx=_put_slot(state.ctx, ctx1, slot),
+        anchor=_put_slot(state.anchor, first, slot),
+        rounds=_put_slot(state.rounds, rounds1, slot),
+        prop_tokens=_put_slot(state.prop_tokens, prop.tokens, slot),
+        prop_probs=_put_slot(state.prop_probs, prop.probs.astype(jnp.float32), slot),
+        prop_conf=_put_slot(state.prop_conf, conf, slot),
+    )
+    return state, first[0], conf[0]
+
+
+def pack_indices(lengths_N, active_N, num_tokens: int):
+    """Flat layout of the admitted tokens: slot, offset in the slot's block, validity [T], and
+    each slot's start offset [N]. Slot s contributes lengths[s] + 1 tokens when active."""
+    n_tok = jnp.where(active_N, lengths_N + 1, 0).astype(jnp.int32)
+    ends = jnp.cumsum(n_tok)
+    starts = ends - n_tok
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    slot = jnp.clip(jnp.searchsorted(ends, t, side="right"), 0, n_tok.shape[0] - 1)
+    offset = t - starts[slot]
+    valid = t < ends[-1]
+    return slot.astype(jnp.int32), jnp.where(valid, offset, 0), valid, starts
+
+
+def packed_round(
+    tcfg,
+    dcfg,
+    scfg,
+    num_tokens: int,
+    cache_len: int,
+    tparams,
+    dparams,
+    state: SlotState,
+    lengths_N,
+    active_N,
+    seeds_N,
+    sp,
+    key,
+):
+    """One speculative round over the active slots. Static: configs, scfg, num_tokens (T bucket
+    >= sum over active of lengths + 1), cache_len (bucket >= every active anchor position +
+    lengths + 1). Arrays: params, state (donated), lengths [N] (0..γ), active [N], seeds [N],
+    sp (SamplingParams [N]; None in greedy mode), key."""
+    g = dcfg.block_size
+    n = lengths_N.shape[0]
+    lengths_N = jnp.where(active_N, lengths_N, 0).astype(jnp.int32)
+    pos0 = state.cache.lengths  # [N]
+    slot, off, valid, starts = pack_indices(lengths_N, active_N, num_tokens)
+    drafts = state.prop_tokens[slot, jnp.clip(off - 1, 0, g - 1)]
+    toks = jnp.where(off == 0, state.anchor[slot], drafts)
+    pos = pos0[slot] + off
+    out, cache = packed_forward(
+        tcfg, tparams, toks, slot, pos, valid, state.cache, cache_len, compute_logits=True
+    )
+    idx = jnp.clip(starts[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
+    logits = out.logits[0][idx]  # [N, γ+1, V]
+    feats = out.features[0][idx]  # [N, γ+1, F]
+    rng = rng_lib.RequestRng(key, seeds_N, pos0)
+    probs = None if scfg.greedy else state.prop_probs
+    a, nxt = verify_core(logits, state.prop_tokens, probs, lengths_N, rng, sp, scfg)
+    num_new = jnp.where(active_N, a + 1, 0)
+    cache = cache.with_lengths(pos0 + num_new)
+    i = jnp.arange(g + 1)[None, :]
+    drafts_pad = jnp.concatenate([state.prop_tokens, jnp.zeros((n, 1), jnp.int32)], axis=1)
+    next_tokens = jnp.where(i < a[:, None], drafts_pad, nxt[:, None])  # [N, γ+1]
+    ctx = drafters.extend_context(dcfg, dparams, state.ctx, feats, next_tokens, num_new)
+    anchor = jnp.where(active_N, nxt, state.anchor)
+    rounds = state.rounds + active_N.astype(jnp.int32)
+    prop = drafters.propose(dcfg, dparams, ctx, anchor, key, seeds_N, sp, scfg, rounds_B=rounds)
+    conf = _conf_or_zeros(prop, n, g)
+    emitted = jnp.where((i <= a[:, None]) & active_N[:, None], next_tokens, -1)
+    new_state = SlotState(
+        cache, ctx, anchor, rounds, prop.tokens, prop.probs.astype(jnp.float32), conf
+    )
+    return new_state, RoundOut(emitted, a, conf)

@@ -1,0 +1,497 @@
+"""ServingEngine: fixed slots, continuous batching, scheduled packed verification.
+
+    eng = ServingEngine(tcfg, dcfg, tparams, dparams, num_slots=8, max_len=1024, policy="alg1",
+                        cost_profile=profile, sts=sts)
+    eng.warmup()                                   # compiles every bucket; no retrace after
+    h = eng.submit([1, 2, 3], RequestParams(max_new_tokens=64, temperature=0.0))
+    for delta in h.stream(): ...                   # or eng.start() + astream() in a server
+
+One `step()` = retire finished / cancelled requests, prefill waiting ones into free slots
+(prompt-length buckets, long prompts in chunks), schedule every running request's verification
+length from its pending draft's calibrated confidences (`engine.scheduling`), run one packed round
+on the device (`engine.device.packed_round`, the target's cost follows R + sum l_r padded to a
+token bucket) and commit on the host (stop ids, max_new_tokens, per-round records). The host reads
+the device once per round (tokens, accepted counts and the next block's confidences together).
+
+Exactness: every draw is keyed by (stream, request seed, position) (`spec.rng`), draft noise also
+by the request's round counter, so a request's output does not depend on its slot, its admission
+time or the other requests. Greedy output equals `models.generate.generate` token for token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import jax
+import numpy as np
+
+from dspark_jax.config import ConfigError
+from dspark_jax.engine import device as dev
+from dspark_jax.engine.requests import (
+    Delta,
+    EngineMetrics,
+    QueueFull,
+    RequestError,
+    RequestHandle,
+    RequestOutput,
+    RequestParams,
+    SpecStats,
+)
+from dspark_jax.engine.scheduling import Scheduler
+from dspark_jax.engine.slots import Request, SlotTable, validate_request
+from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
+
+_SAMPLED = SamplingConfig(top_k=True, top_p=True, min_p=True)
+_GREEDY = SamplingConfig(greedy=True)
+
+
+def _buckets(values, top: int) -> tuple[int, ...]:
+    out = sorted({int(v) for v in values if 0 < int(v) < top} | {int(top)})
+    return tuple(out)
+
+
+class ServingEngine:
+    def __init__(
+        self,
+        tcfg,
+        dcfg,
+        tparams,
+        dparams,
+        *,
+        num_slots: int = 8,
+        max_len: int = 1024,
+        policy="fixed",
+        gamma: int | None = None,
+        threshold: float = 0.5,
+        cost_profile=None,
+        sts=None,
+        prompt_buckets=(32, 128, 512),
+        token_buckets=None,
+        cache_buckets=None,
+        max_queue: int = 256,
+        root_seed: int = 0,
+        modes=("greedy", "sampled"),
+    ):
+        if dcfg.target.hidden_size != tcfg.hidden_size or dcfg.target.vocab_size != tcfg.vocab_size:
+            raise ConfigError("drafter was built for a different target (hidden size / vocab)")
+        if num_slots < 1 or max_len < 2:
+            raise ConfigError(f"num_slots ({num_slots}) must be >= 1 and max_len >= 2")
+        if max_len > tcfg.max_position_embeddings:
+            raise ConfigError(
+                f"max_len {max_len} exceeds the target's max_position_embeddings "
+                f"{tcfg.max_position_embeddings}"
+            )
+        if not set(modes) <= {"greedy", "sampled"} or not modes:
+            raise ConfigError(f"modes must be a non-empty subset of ('greedy', 'sampled'): {modes}")
+        self.tcfg, self.dcfg, self.tparams, self.dparams = tcfg, dcfg, tparams, dparams
+        self.gamma = g = dcfg.block_size
+        self.num_slots, self.max_len, self.max_queue = num_slots, max_len, max_queue
+        self.modes = tuple(modes)
+        top = num_slots * (g + 1)
+        if token_buckets is None:
+            token_buckets = [1 << i for i in range(top.bit_length())]
+        self.token_buckets = _buckets(token_buckets, top)
+        self.cache_buckets = _buckets(cache_buckets or (), max_len)
+        self.prompt_buckets = _buckets(prompt_buckets, min(max(prompt_buckets), max_len))
+        self.scheduler = Scheduler(
+            policy,
+            g,
+            policy_gamma=gamma,
+            threshold=threshold,
+            cost=cost_profile,
+            sts=sts,
+            token_buckets=self.token_buckets,
+            has_confidence=dcfg.kind == "dspark" and bool(getattr(dcfg, "confidence_head", True)),
+        )
+        self.key = jax.random.key(root_seed)
+        self._prefill = jax.jit(dev.prefill_chunk, static_argnums=(0, 1, 2), donate_argnums=(5,))
+        self._round = jax.jit(dev.packed_round, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
+        self.state = dev.init_state(tcfg, dcfg, num_slots, max_len)
+        self.slots = SlotTable(num_slots, g)
+        self._lock = threading.RLock()  # queue, requests, counters
+        self._step_lock = threading.Lock()  # one step at a time
+        self._work = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._m = dict(
+            prompt_tokens=0,
+            generation_tokens=0,
+            draft_tokens=0,
+            verified_tokens=0,
+            accepted_tokens=0,
+            rounds=0,
+            submitted=0,
+            rejected=0,
+        )
+        self._acc_pos = np.zeros(g, np.int64)
+        self._verified_hist = np.zeros(num_slots * g + 1, np.int64)
+        self._finished_by_reason: dict[str, int] = {}
+
+    # ---- compile accounting ------------------------------------------------------------------
+
+    @property
+    def compilations(self) -> int:
+        """Jit cache entries of this engine's device functions (each one a compilation)."""
+        return int(self._prefill._cache_size() + self._round._cache_size())
+
+    def _scfg(self, sampled: bool) -> SamplingConfig:
+        return _SAMPLED if sampled else _GREEDY
+
+    def warmup(self) -> None:
+        """Compile every (mode, prompt bucket) prefill and (mode, token bucket, cache bucket)
+        round. Runs them on free slots with nothing active, so it leaves no trace."""
+        with self._step_lock:
+            if self.slots.running():
+                raise RuntimeError("warmup() must run before requests are admitted")
+            n = self.num_slots
+            for mode in self.modes:
+                sampled = mode == "sampled"
+                scfg = self._scfg(sampled)
+                sp1 = self._sp_rows([RequestParams(1)], sampled)
+                for c in self.prompt_buckets:
+                    z = np.zeros(c, np.int32)
+                    self.state, *_ = self._prefill(
+                        self.tcfg, self.dcfg, scfg, self.tparams, self.dparams, self.state,
+                        np.int32(0), z, z, np.int32(0), np.int32(1), np.bool_(True),
+                        np.uint32(0), sp1, self.key,
+                    )  # fmt: skip
+                sp = self._sp_rows([RequestParams(1)] * n, sampled)
+                for t in self.token_buckets:
+                    for s in self.cache_buckets:
+                        self.state, out = self._round(
+                            self.tcfg, self.dcfg, scfg, t, s, self.tparams, self.dparams,
+                            self.state, np.zeros(n, np.int32), np.zeros(n, bool),
+                            np.zeros(n, np.uint32), sp, self.key,
+                        )  # fmt: skip
+            jax.block_until_ready(self.state)
+
+    # ---- submission --------------------------------------------------------------------------
+
+    def submit(self, prompt_ids, params: RequestParams) -> RequestHandle:
+        """Validate and queue a request (RequestError if invalid, QueueFull if the queue is full)."""
+        try:
+            prompt = validate_request(self, prompt_ids, params)
+        except RequestError:
+            with self._lock:
+                self._m["rejected"] += 1
+            raise
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is shut down; submit() is closed")
+            if len(self.slots.queue) >= self.max_queue:
+                self._m["rejected"] += 1
+                raise QueueFull(
+                    f"{len(self.slots.queue)} requests are waiting (max_queue={self.max_queue}); "
+                    "retry later"
+                )
+            rid = f"req-{next(self._ids)}"
+            handle = RequestHandle(rid, self)
+            req = Request(rid, prompt, params, handle)
+            if params.seed is None:
+                req.seed = int(np.random.default_rng().integers(0, 2**32))
+            self.slots.enqueue(req)
+            self._m["submitted"] += 1
+            self._work.notify_all()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a queued or running request; its slot is freed at the next round."""
+        with self._lock:
+            req = self.slots.find(request_id)
+            if req is None or req.done:
+                return
+            req.cancel_requested = True
+            if req.slot is None:
+                self.slots.queue.remove(req)
+                self._finish(req, [], "cancelled")
+            self._work.notify_all()
+
+    # ---- one round ---------------------------------------------------------------------------
+
+    def step(self) -> list[Delta]:
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[Delta]:
+        deltas: list[Delta] = []
+        with self._lock:
+            for req in self.slots.running():
+                if req.cancel_requested:
+                    deltas.append(self._finish(req, [], "cancelled"))
+            admitted = self.slots.admit()
+        if admitted:
+            deltas += self._prefill_requests(admitted)
+        running = self.slots.running()
+        if not running:
+            return deltas
+        deltas += self._run_round(running)
+        return deltas
+
+    def _sp_rows(self, params: list[RequestParams], sampled: bool):
+        if not sampled:
+            return None
+        return SamplingParams(
+            np.asarray([p.temperature for p in params], np.float32),
+            np.asarray([p.top_k for p in params], np.int32),
+            np.asarray([p.top_p for p in params], np.float32),
+            np.asarray([p.min_p for p in params], np.float32),
+        )
+
+    def _mode(self, sampled: bool) -> bool:
+        if sampled and "sampled" not in self.modes:
+            raise RuntimeError("a sampled request reached an engine built with modes=('greedy',)")
+        return sampled or "greedy" not in self.modes
+
+    def _prefill_requests(self, admitted: list[Request]) -> list[Delta]:
+        outs = []
+        big = self.prompt_buckets[-1]
+        for req in admitted:
+            sampled = self._mode(req.params.temperature > 0)
+            scfg = self._scfg(sampled)
+            sp1 = self._sp_rows([req.params], sampled)
+            p = req.prompt
+            start = 0
+            while start < len(p):
+                n = min(big, len(p) - start)
+                c = next(b for b in self.prompt_buckets if b >= n)
+                toks = np.zeros(c, np.int32)
+                toks[:n] = p[start : start + n]
+                nxt = np.zeros(c, np.int32)
+                follow = p[start + 1 : start + n + 1]
+                nxt[: len(follow)] = follow
+                last = start + n == len(p)
+                self.state, first, conf = self._prefill(
+                    self.tcfg, self.dcfg, scfg, self.tparams, self.dparams, self.state,
+                    np.int32(req.slot), toks, nxt, np.int32(start), np.int32(n), np.bool_(last),
+                    np.uint32(req.seed), sp1, self.key,
+                )  # fmt: skip
+                start += n
+            outs.append((first, conf))
+        host = jax.device_get(outs)
+        deltas = []
+        with self._lock:
+            self._m["prompt_tokens"] += sum(len(r.prompt) for r in admitted)
+            for req, (first, conf) in zip(admitted, host):
+                self.slots.conf[req.slot] = conf
+                deltas.append(self._emit(req, [int(first)], None))
+        return deltas
+
+    def _run_round(self, running: list[Request]) -> list[Delta]:
+        g, n = self.gamma, self.num_slots
+        slots = np.asarray([r.slot for r in running])
+        caps = np.asarray([r.params.max_new_tokens - len(r.tokens) - 1 for r in running])
+        lens_r = self.scheduler.lengths(self.slots.conf[slots], caps)
+        lengths = np.zeros(n, np.int32)
+        lengths[slots] = lens_r
+        active = np.zeros(n, bool)
+        active[slots] = True
+        sampled = self._mode(any(r.params.temperature > 0 for r in running))
+        params = [RequestParams(1)] * n
+        seeds = np.zeros(n, np.uint32)
+        for r in running:
+            params[r.slot] = r.params
+            seeds[r.slot] = r.seed
+        total = int(np.sum(lens_r + 1))
+        t = next(b for b in self.token_buckets if b >= total)
+        need = max(r.pos + 1 + int(lengths[r.slot]) for r in running)
+        s = next(b for b in self.cache_buckets if b >= need)
+        self.state, out = self._round(
+            self.tcfg, self.dcfg, self._scfg(sampled), t, s, self.tparams, self.dparams,
+            self.state, lengths, active, seeds, self._sp_rows(params, sampled), self.key,
+        )  # fmt: skip
+        self.scheduler.prepare_next(len(running))  # overlaps the device's round
+        emitted, acc, conf = jax.device_get(out)
+        deltas = []
+        with self._lock:
+            self._m["rounds"] += 1
+            self._m["draft_tokens"] += g * len(running)
+            self._m["verified_tokens"] += int(lens_r.sum())
+            self._verified_hist[int(lens_r.sum())] += 1
+            for r, nl in zip(running, lens_r):
+                a = int(acc[r.slot])
+                raw_conf = self.slots.conf[r.slot].copy()
+                self.slots.conf[r.slot] = conf[r.slot]
+                new = [int(x) for x in emitted[r.slot, : a + 1]]
+                r.pos += a + 1
+                deltas.append(self._commit_round(r, new, a, int(nl), raw_conf))
+        return deltas
+
+    def _commit_round(self, r: Request, new, a: int, nl: int, raw_conf) -> Delta:
+        stop = r.stop_set
+        eos = False
+        reason = None
+        for j, tok in enumerate(new):
+            if tok in stop:
+                reason = "stop"
+                if j < a:  # an accepted stop draft ends the round without a bonus token
+                    a, nl, eos = j + 1, j + 1, True
+                new = new[: j + 1]
+                break
+        st = r.stats
+        st.rounds += 1
+        st.drafted += self.gamma
+        st.verified += nl
+        st.accepted += a
+        st.emitted += a if eos else a + 1
+        self._m["accepted_tokens"] += a
+        self._acc_pos[:a] += 1
+        r.num_accepted.append(a)
+        r.proposed.append(nl)
+        r.eos.append(eos)
+        if self.dcfg.kind == "dspark":
+            r.conf_logits.append(raw_conf)
+        return self._emit(r, new, reason)
+
+    def _emit(self, r: Request, new: list[int], reason: str | None) -> Delta:
+        room = r.params.max_new_tokens - len(r.tokens)
+        if reason is None and new and new[-1] in r.stop_set:
+            reason = "stop"
+        if len(new) > room:
+            new, reason = new[:room], "length"
+        elif len(new) == room and reason is None:
+            reason = "length"
+        if reason is None:
+            r.tokens.extend(new)
+            self._m["generation_tokens"] += len(new)
+            d = Delta(r.id, new, False, None, r.stats.copy())
+            r.handle._push(d)
+            return d
+        return self._finish(r, new, reason)
+
+    def _finish(self, r: Request, new: list[int], reason: str) -> Delta:
+        r.tokens.extend(new)
+        self._m["generation_tokens"] += len(new)
+        r.done = True
+        self.slots.release(r)
+        self._finished_by_reason[reason] = self._finished_by_reason.get(reason, 0) + 1
+        out = RequestOutput(
+            r.id, len(r.prompt), list(r.tokens), reason, r.stats.copy(),
+            list(r.num_accepted), list(r.proposed), list(r.eos), list(r.conf_logits),
+        )  # fmt: skip
+        d = Delta(r.id, new, True, reason, r.stats.copy())
+        r.handle._push(d, out)
+        return d
+
+    # ---- driving -----------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self.slots.queue) or bool(self.slots.running())
+
+    def generate(self, prompts, params) -> list[RequestOutput]:
+        """Offline convenience: submit all (one RequestParams or one per prompt), run, collect."""
+        if isinstance(params, RequestParams):
+            params = [params] * len(prompts)
+        handles = []
+        for p, q in zip(prompts, params, strict=True):
+            while True:
+                try:
+                    handles.append(self.submit(p, q))
+                    break
+                except QueueFull:
+                    if not self._running_in_background():
+                        self.step()
+                    else:
+                        time.sleep(0.01)
+        return [h.result() for h in handles]
+
+    def _running_in_background(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _drive_until(self, done, deadline) -> None:
+        while not done():
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            if not self.has_work():
+                return
+            self.step()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._running_in_background():
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="serving-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.has_work():
+                    self._work.wait()
+                if self._stopping and not self.has_work():
+                    return
+            try:
+                self.step()
+            except BaseException as e:  # noqa: BLE001 - fail requests, keep serving
+                self._error = e
+                self._fail_all(repr(e))
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            for r in list(self.slots.queue) + self.slots.running():
+                if r.slot is None:
+                    self.slots.queue.remove(r)
+                self._finish(r, [], "error")
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting requests; finish (drain) or cancel the others; stop the thread."""
+        with self._lock:
+            self._closed = True
+            if not drain:
+                for r in list(self.slots.queue):
+                    self.slots.queue.remove(r)
+                    self._finish(r, [], "cancelled")
+                for r in self.slots.running():
+                    r.cancel_requested = True
+            self._stopping = True
+            self._work.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        elif not drain:
+            self.step()
+        else:
+            self._drive_until(
+                lambda: False, None if timeout is None else time.monotonic() + timeout
+            )
+
+    # ---- metrics -----------------------------------------------------------------------------
+
+    def metrics(self) -> EngineMetrics:
+        with self._lock:
+            m = self._m
+            return EngineMetrics(
+                queue_len=len(self.slots.queue),
+                running=len(self.slots.running()),
+                num_slots=self.num_slots,
+                requests_finished_by_reason=dict(self._finished_by_reason),
+                prompt_tokens=m["prompt_tokens"],
+                generation_tokens=m["generation_tokens"],
+                draft_tokens=m["draft_tokens"],
+                verified_tokens=m["verified_tokens"],
+                accepted_tokens=m["accepted_tokens"],
+                accepted_per_position=self._acc_pos.tolist(),
+                verified_per_round=self._verified_hist.tolist(),
+                rounds=m["rounds"],
+                compilations=self.compilations,
+                requests_submitted=m["submitted"],
+                requests_rejected=m["rejected"],
+            )
+
+
+__all__ = [
+    "ServingEngine",
+    "RequestParams",
+    "SpecStats",
+    "Delta",
+    "RequestOutput",
+    "RequestHandle",
+    "QueueFull",
+    "RequestError",
+    "EngineMetrics",
+]

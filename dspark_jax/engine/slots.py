@@ -1,0 +1,124 @@
+"""Host bookkeeping of the serving engine: requests, the slot table, request validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import numpy as np
+
+from dspark_jax.engine.requests import RequestHandle, RequestParams, SpecStats
+from dspark_jax.models.validate import RequestError
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: str
+    prompt: list[int]
+    params: RequestParams
+    handle: RequestHandle
+    seed: int = 0
+    slot: int | None = None
+    pos: int = 0  # position of the anchor (last committed token)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    stats: SpecStats = dataclasses.field(default_factory=SpecStats)
+    num_accepted: list[int] = dataclasses.field(default_factory=list)
+    proposed: list[int] = dataclasses.field(default_factory=list)
+    eos: list[bool] = dataclasses.field(default_factory=list)
+    conf_logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    cancel_requested: bool = False
+    done: bool = False
+
+    def __post_init__(self):
+        self.stop_set = frozenset(int(s) for s in self.params.stop_ids)
+        if self.params.seed is not None:
+            self.seed = int(self.params.seed)
+
+
+class SlotTable:
+    """Which request holds which slot, the waiting queue (FIFO) and each slot's pending
+    confidence logits [γ] (host copy, refreshed by every round's single device read)."""
+
+    def __init__(self, num_slots: int, gamma: int):
+        self.owner: list[Request | None] = [None] * num_slots
+        self.queue: deque[Request] = deque()
+        self.conf = np.zeros((num_slots, gamma), np.float32)
+        self.by_id: dict[str, Request] = {}
+
+    def enqueue(self, req: Request) -> None:
+        self.queue.append(req)
+        self.by_id[req.id] = req
+
+    def find(self, request_id: str) -> Request | None:
+        return self.by_id.get(request_id)
+
+    def running(self) -> list[Request]:
+        return [r for r in self.owner if r is not None]
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests into free slots (FIFO, lowest slot first)."""
+        out = []
+        for s, r in enumerate(self.owner):
+            if r is None and self.queue:
+                req = self.queue.popleft()
+                req.slot, req.pos = s, len(req.prompt)
+                self.owner[s] = req
+                out.append(req)
+        return out
+
+    def release(self, req: Request) -> None:
+        if req.slot is not None and self.owner[req.slot] is req:
+            self.owner[req.slot] = None
+        self.by_id.pop(req.id, None)
+
+
+def validate_request(engine, prompt_ids, params) -> list[int]:
+    """Check a request at the boundary; returns the prompt as a list of ints."""
+    if not isinstance(params, RequestParams):
+        raise RequestError(f"params must be a RequestParams, got {type(params).__name__}")
+    vocab = engine.tcfg.vocab_size
+    try:
+        arr = np.asarray(list(prompt_ids))
+    except TypeError as e:
+        raise RequestError(f"prompt must be a sequence of token ids ({e})") from None
+    if arr.size == 0:
+        raise RequestError("empty prompt: give at least one token id")
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise RequestError(
+            f"prompt must be a flat list of integer token ids, got dtype {arr.dtype}"
+        )
+    if arr.min() < 0 or arr.max() >= vocab:
+        raise RequestError(
+            f"prompt token ids must lie in [0, {vocab}); got range [{arr.min()}, {arr.max()}]"
+        )
+    mx = params.max_new_tokens
+    if not isinstance(mx, (int, np.integer)) or isinstance(mx, bool) or mx <= 0:
+        raise RequestError(f"max_new_tokens must be an integer >= 1, got {mx!r}")
+    need = arr.size + int(mx) + engine.gamma + 1
+    if need > engine.max_len:
+        raise RequestError(
+            f"request needs {need} cache positions (prompt {arr.size} + max_new_tokens {mx} + "
+            f"γ+1 {engine.gamma + 1}) but a slot holds max_len={engine.max_len}; shorten the "
+            "prompt or max_new_tokens"
+        )
+    t, k, p, m = params.temperature, params.top_k, params.top_p, params.min_p
+    if not (np.isfinite(t) and t >= 0):
+        raise RequestError(f"temperature must be a finite number >= 0, got {t!r}")
+    if 0 < t < 1e-4:
+        raise RequestError(f"temperature {t} is too small; use 0 for greedy or >= 1e-4")
+    if not isinstance(k, (int, np.integer)) or k < 0:
+        raise RequestError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+    if not (0 < p <= 1):
+        raise RequestError(f"top_p must be in (0, 1], got {p!r}")
+    if not (0 <= m <= 1):
+        raise RequestError(f"min_p must be in [0, 1], got {m!r}")
+    if params.seed is not None and not (
+        isinstance(params.seed, (int, np.integer)) and 0 <= params.seed < 2**32
+    ):
+        raise RequestError(f"seed must be an integer in [0, 2**32), got {params.seed!r}")
+    for s in params.stop_ids:
+        if not isinstance(s, (int, np.integer)) or not 0 <= s < vocab:
+            raise RequestError(f"stop_ids must be token ids in [0, {vocab}), got {s!r}")
+    if t > 0 and "sampled" not in engine.modes:
+        raise RequestError("this engine serves greedy requests only (temperature=0)")
+    return [int(x) for x in arr]

@@ -1,0 +1,91 @@
+"""Packed (ragged) forward of the target over a flat token bucket, for the serving engine.
+
+    out, cache = packed_forward(cfg, params, tokens_T, slot_T, pos_T, valid_T, cache, cache_len)
+
+`T` tokens from any number of cache slots are laid out flat: token t belongs to slot `slot_T[t]`
+at absolute position `pos_T[t]`; `valid_T[t] = False` marks bucket padding (its K/V write is
+dropped and its outputs are garbage the caller ignores). Every dense layer (projections, MLP, LM
+head) runs on exactly T rows, so the cost of a verification forward follows the number of tokens
+the scheduler admitted (`R + sum l_r`, padded to a bucket), not `slots x (gamma + 1)`.
+
+Attention: each token writes its K/V to `cache[slot, :, pos]`, then reads its own slot's cache at
+indices `<= pos` (`transformer.py`'s cache contract: the slot's committed prefix plus the tokens
+of this call at smaller positions, which the same layer wrote just before). Reads are bounded by
+the static `cache_len` (a cache-length bucket >= every valid token's position + 1), so attention
+costs `T x cache_len`, not `T x max_len`.
+
+This composes `transformer.py`'s modules (same parameters, same RMSNorm / RoPE / GQA code), so a
+packed forward equals the batched one up to float reassociation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.config import TargetConfig
+from dspark_jax.models import transformer as tf
+
+
+def _packed_attend(q_TxNxD, k_TxKxSxD, v_TxKxSxD, mask_TxS):
+    """GQA attention of T queries, each over its own [n_kv, S] keys (fp32 softmax)."""
+    t, n, d = q_TxNxD.shape
+    kv = k_TxKxSxD.shape[1]
+    q = q_TxNxD.reshape(t, kv, n // kv, d)
+    s = jnp.einsum("tkrd,tksd->tkrs", q, k_TxKxSxD, preferred_element_type=jnp.float32)
+    s = s * (1.0 / math.sqrt(d))
+    m = mask_TxS[:, None, None, :]
+    s = jnp.where(m, s, -1e30)
+    p = jnp.where(m, jax.nn.softmax(s, axis=-1), 0.0)
+    o = jnp.einsum("tkrs,tksd->tkrd", p.astype(v_TxKxSxD.dtype), v_TxKxSxD)
+    return o.reshape(t, n * d)
+
+
+def packed_forward(
+    cfg: TargetConfig,
+    params,
+    tokens_T: jax.Array,
+    slot_T: jax.Array,
+    pos_T: jax.Array,
+    valid_T: jax.Array,
+    cache: tf.KVCache,
+    cache_len: int,
+    *,
+    compute_logits: bool = True,
+) -> tuple[tf.ForwardOut, tf.KVCache]:
+    """Static: cfg, cache_len, compute_logits, T. Returns ForwardOut with [1, T, ...] arrays
+    (logits fp32, features, hidden) and the cache with the valid tokens' K/V written (lengths
+    unchanged: the caller commits)."""
+    model = tf.build(cfg, params)
+    s_max = cache.max_len
+    cache_len = min(int(cache_len), s_max)
+    x = jnp.take(model.embed_tokens[...], tokens_T, axis=0)[None]  # [1, T, H]
+    pos_1xT = pos_T[None].astype(jnp.int32)
+    write = jnp.where(valid_T, pos_T, s_max)[:, None]  # [T, 1]; s_max -> dropped
+    heads = jnp.arange(cfg.num_kv_heads)[None, :]  # [1, K]
+    slot_col = slot_T[:, None]
+    key_idx = jnp.arange(cache_len, dtype=jnp.int32)
+    mask = key_idx[None, :] <= pos_T[:, None]  # [T, S_b]
+    feats, new_k, new_v = {}, [], []
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        q, k, v = attn.qkv(layer.input_layernorm(x), pos_1xT)  # [1, T, n, d]
+        ck, cv = cache.k[i], cache.v[i]  # [N, K, S, d]
+        ck = ck.at[slot_col, heads, write].set(k[0].astype(ck.dtype), mode="drop")
+        cv = cv.at[slot_col, heads, write].set(v[0].astype(cv.dtype), mode="drop")
+        kg = ck[:, :, :cache_len][slot_T].astype(q.dtype)  # [T, K, S_b, d]
+        vg = cv[:, :, :cache_len][slot_T].astype(q.dtype)
+        a = _packed_attend(q[0], kg, vg, mask)[None]  # [1, T, n*d]
+        x = x + attn.o_proj(a)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        new_k.append(ck)
+        new_v.append(cv)
+        if i in cfg.target_layer_ids:
+            feats[cfg.target_layer_ids.index(i)] = x
+    features = jnp.concatenate([feats[j] for j in sorted(feats)], axis=-1)
+    hidden = model.norm(x)
+    logits = model.logits(hidden) if compute_logits else None
+    cache = cache._replace(k=tuple(new_k), v=tuple(new_v))
+    return tf.ForwardOut(logits, features, hidden), cache
