@@ -388,6 +388,8 @@ async def _sse_stream(run: _Run, base, req, prompt_len, *, chat: bool):
         else:
             last = _choice(chat, None if chat else "", _public_reason(run.finish_reason),
                            delta=True)  # fmt: skip
+            if req.return_token_ids:
+                last["token_ids"] = []
             yield _sse(dict(base, choices=[last], usage=None, spec_stats=run.spec_stats()))
             if req.include_usage:
                 yield _sse(dict(base, choices=[], usage=run.usage(prompt_len),

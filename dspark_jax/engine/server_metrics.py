@@ -105,9 +105,14 @@ class _EngineCollector:
         yield gauge("vllm:num_requests_running", "Requests holding a slot.", "running")
         yield gauge("vllm:num_requests_waiting", "Requests queued for a slot.", "queue_len")
         yield gauge("dspark:num_slots", "Slots of the engine (static).", "num_slots")
-        yield counter(
-            "vllm:spec_decode_num_drafts", "Speculative rounds (one per running request).", "rounds"
-        )
+        gamma = max(len(m.get("accepted_per_position") or ()), 1)
+        drafts = CounterMetricFamily(
+            "vllm:spec_decode_num_drafts", "Draft blocks proposed (one per request per round).",
+            labels=["model_name"],
+        )  # fmt: skip
+        drafts.add_metric(lbl, float(m.get("draft_tokens", 0)) / gamma)
+        yield drafts
+        yield counter("dspark:engine_rounds", "Engine rounds (one packed verify each).", "rounds")
         yield counter(
             "vllm:spec_decode_num_draft_tokens", "Tokens proposed by the drafter.", "draft_tokens"
         )
