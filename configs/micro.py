@@ -47,7 +47,6 @@ def config():
             max_prompts_per_dataset=3,
             max_new_tokens=24,
             batch_size=4,
-            max_len=256,
             speed_prompts=1,
         ),  # fmt: skip
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import types
 import typing
 from typing import Any
@@ -96,7 +97,8 @@ class EvalStage:
     temperature: float = 1.0
     seed: int = 980406
     batch_size: int = 8
-    max_len: int = 512
+    # prompt + generation cap; 0 = the target's context (max_position_embeddings)
+    max_len: int = 0
     speed_prompts: int = 8
 
 
@@ -104,6 +106,9 @@ class EvalStage:
 class PipelineConfig:
     name: str = "tiny"
     run_dir: str = "runs/tiny"
+    # finished stage outputs replaced by a changed configuration are kept in <run>/previous/;
+    # at most this many per stage (older ones are removed)
+    keep_versions: int = 3
     data: DataStage = DataStage()
     tokenizer: TokenizerStage = TokenizerStage()
     target: TargetStage = TargetStage()
@@ -114,6 +119,26 @@ class PipelineConfig:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def absolute_paths(cfg: PipelineConfig) -> PipelineConfig:
+    """`cfg` with every path made absolute (against the current directory), so that the run
+    directory's config.json means the same from any directory."""
+
+    def ab(p: str) -> str:
+        return os.path.abspath(os.path.expanduser(p)) if p else p
+
+    return dataclasses.replace(
+        cfg,
+        run_dir=ab(cfg.run_dir),
+        data=dataclasses.replace(
+            cfg.data,
+            conversation_files=tuple(ab(f) for f in cfg.data.conversation_files),
+            eval_prompt_files=tuple(ab(f) for f in cfg.data.eval_prompt_files),
+        ),
+        tokenizer=dataclasses.replace(cfg.tokenizer, path=ab(cfg.tokenizer.path)),
+        target=dataclasses.replace(cfg.target, path=ab(cfg.target.path)),
+    )
 
 
 def _parse(value: str, typ, key: str):

@@ -125,7 +125,15 @@ def tau_table(per_drafter: dict[str, dict[str, dict]], domains: dict[str, str]) 
     return {"tau": table, "relative_macro_gain": gains}
 
 
-def markdown_report(table: dict, per_drafter: dict, speed: dict | None, calib: dict | None) -> str:
+def markdown_report(
+    table: dict,
+    per_drafter: dict,
+    speed: dict | None,
+    calib: dict | None,
+    coverage: dict | None = None,
+) -> str:
+    """The report as markdown. `coverage[dataset]` = {"prompts", "available", "too_long",
+    "max_prompt_tokens"}: how many prompts were evaluated and how many did not fit the context."""
     lines = ["# dspark-jax evaluation", ""]
     drafter_names = list(table["tau"])
     datasets = list(next(iter(table["tau"].values()))["datasets"])
@@ -157,6 +165,8 @@ def markdown_report(table: dict, per_drafter: dict, speed: dict | None, calib: d
     for d in drafter_names:
         curve = _pooled_curve(per_drafter[d], "conditional_acceptance")
         lines.append(f"- {d}: " + " ".join("—" if c is None else f"{c:.3f}" for c in curve))
+    if coverage:
+        lines += coverage_lines(coverage)
     if calib:
         lines += ["", "## Confidence calibration (DSpark, held-out)", ""]
         lines.append("| position | ECE raw | ECE STS | AUROC | Brier raw | Brier STS |")
@@ -171,6 +181,20 @@ def markdown_report(table: dict, per_drafter: dict, speed: dict | None, calib: d
         for k, v in speed.items():
             lines.append(f"- {k}: {v}")
     return "\n".join(lines) + "\n"
+
+
+def coverage_lines(coverage: dict) -> list[str]:
+    """Markdown rows: prompts evaluated per dataset and those too long for the context."""
+    lines = ["", "## Prompts evaluated", ""]
+    lines.append("| dataset | evaluated | available | too long | max prompt tokens |")
+    lines.append("|---|---|---|---|---|")
+    for k, v in coverage.items():
+        note = " (nothing fits: not evaluated)" if v["prompts"] == 0 else ""
+        lines.append(
+            f"| {k}{note} | {v['prompts']} | {v['available']} | {v['too_long']} | "
+            f"{v['max_prompt_tokens']} |"
+        )
+    return lines
 
 
 def _pooled_curve(per_ds: dict, key: str) -> list:

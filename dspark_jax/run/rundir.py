@@ -200,18 +200,46 @@ class RunDir:
 
     # -- decoding ---------------------------------------------------------------------------
 
-    def length_buckets(self, max_len: int) -> tuple[int, ...]:
-        return tuple(b for b in LENGTH_BUCKETS if b < max_len) or (max_len // 2,)
+    def context_len(self) -> int:
+        """Positions the target takes: prompt + generation + lookahead must fit."""
+        return self.target()[0].max_position_embeddings
 
-    def decoder(self, kind: str, max_len: int | None = None):
-        """A `SpeculativeDecoder` of the target and drafter `kind` (`max_len` defaults to the
-        evaluation's)."""
+    def prompt_limit(self, max_new_tokens: int, cap: int = 0) -> int:
+        """Longest prompt that fits `max_new_tokens` (+ γ + 2 lookahead) in the target's context
+        (or in `cap` positions when smaller; `cap=0`: the target's context)."""
+        ctx = self.context_len()
+        ctx = min(cap, ctx) if cap else ctx
+        return ctx - max_new_tokens - self.config.drafters.block_size - 2
+
+    def decoder(self, kind: str, max_len: int | None = None, length_buckets=None):
+        """A `SpeculativeDecoder` of the target and drafter `kind` (`max_len` defaults to
+        `evaluate.max_len`, 0 = the target's context)."""
         from dspark_jax.engine.speculative import SpeculativeDecoder
 
-        max_len = max_len or self.config.evaluate.max_len
+        max_len = max_len or self.config.evaluate.max_len or self.context_len()
         tcfg, tparams = self.target()
         dcfg, dparams = self.drafter(kind)
+        buckets = length_buckets or (
+            tuple(b for b in LENGTH_BUCKETS if b < max_len) or (max_len // 2,)
+        )
         return SpeculativeDecoder(
-            tcfg, dcfg, tparams, dparams, max_len=max_len,
-            length_buckets=self.length_buckets(max_len),
-        )  # fmt: skip
+            tcfg, dcfg, tparams, dparams, max_len=max_len, length_buckets=tuple(buckets)
+        )
+
+    def decoder_for(self, kind: str, prompt_lens, max_new_tokens: int, cap: int = 0):
+        """A decoder sized for these prompts: prompt buckets up to the longest prompt (at most the
+        target's context minus the generation budget), cache just long enough."""
+        from dspark_jax.models.validate import RequestError
+
+        limit = self.prompt_limit(max_new_tokens, cap)
+        longest = max(prompt_lens)
+        if longest > limit:
+            raise RequestError(
+                f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} does not fit "
+                f"the target's context ({self.context_len()} positions, {limit} left for the "
+                "prompt) — shorten the prompt or lower max_new_tokens"
+            )
+        top = min(next((b for b in LENGTH_BUCKETS if b >= longest), limit), limit)
+        buckets = tuple(b for b in LENGTH_BUCKETS if b < top) + (top,)
+        extra = max_new_tokens + self.config.drafters.block_size + 2
+        return self.decoder(kind, max_len=top + extra, length_buckets=buckets)

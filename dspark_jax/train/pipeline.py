@@ -1,20 +1,21 @@
 """The end-to-end pipeline behind `train.py`: corpus → tokenizer → target → regenerate →
 drafters → calibrate → evaluate.
 
-Every stage writes into its own folder of the run directory and finishes by writing a
-`done.json` marker (atomically, last) that records a hash of the configuration it depends on.
-Re-running skips a stage whose marker matches; a changed configuration redoes that stage and
-everything after it. Stages that take long (target, regeneration, drafters) also resume from
-inside: checkpoints and regeneration shards survive an interruption.
+Each stage's cache key covers exactly what the stage reads: the configuration fields it uses
+(`_reads`, including other sections' fields, e.g. calibrate reads evaluate.temperature), the
+content hash of every input file, and the keys of the stages whose outputs it reads. A stage
+whose key matches its finished output is skipped. A changed key builds the stage again in
+`work/` and swaps it in when finished; the previous output is kept under `previous/` and comes
+back if its configuration does (`dspark_jax.run.store`). Long stages (target, regeneration,
+drafters) resume from inside their work folder after an interruption.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -23,135 +24,187 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dspark_jax.config import ConfigError, TrainConfig
-from dspark_jax.pipeline_config import PipelineConfig
-from dspark_jax.run.rundir import RunDir
+from dspark_jax.pipeline_config import PipelineConfig, absolute_paths
+from dspark_jax.run.io import FileHasher, canonical_hash, write_json_atomic, write_text_atomic
+from dspark_jax.run.rundir import LENGTH_BUCKETS, RunDir
+from dspark_jax.run.store import StageStore
+from dspark_jax.run.validate import validate_config, validate_inputs
 
 STAGES = ("corpus", "tokenizer", "target", "regenerate", "drafters", "calibrate", "evaluate")
-# what each stage's cache key depends on (its own section and the stages before it)
-_DEPENDS = {
-    "corpus": ("data",),
-    "tokenizer": ("data", "tokenizer"),
-    "target": ("data", "tokenizer", "target"),
-    "regenerate": ("data", "tokenizer", "target", "regenerate"),
-    "drafters": ("data", "tokenizer", "target", "regenerate", "drafters"),
-    "calibrate": ("data", "tokenizer", "target", "regenerate", "drafters", "calibrate"),
-    "evaluate": (
-        "data", "tokenizer", "target", "regenerate", "drafters", "calibrate", "evaluate",
-    ),
-}  # fmt: skip
+_TOKENIZER_FILES = ("tokenizer*.json", "*.jinja", "special_tokens_map.json", "vocab*", "merges*")
+_CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
 
 
-def _hash(cfg: PipelineConfig, stage: str) -> str:
-    d = cfg.to_json()
-    sub = {k: d[k] for k in _DEPENDS[stage]}
-    return hashlib.sha256(json.dumps(sub, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=_json_default)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _json_default(o):
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+def _get(cfg, dotted: str):
+    v = cfg
+    for part in dotted.split("."):
+        v = getattr(v, part)
+    return dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
 
 
 class Pipeline:
     def __init__(self, cfg: PipelineConfig, *, log=print):
+        validate_config(cfg)
+        cfg = absolute_paths(cfg)
         self.cfg = cfg
         self.run = Path(cfg.run_dir)
         self.log = log
         self.timings: dict[str, float] = {}
         self.status: dict[str, str] = {}
         self.rundir = RunDir(self.run, config=cfg)
-        self._validate()
+        self.store = StageStore(self.run, keep=cfg.keep_versions, log=log)
+        self.hasher = FileHasher(self.run / "file_hashes.json")
+        self._building: dict[str, Path] = {}  # stage -> its work folder while it runs
+        self._keys: dict[str, str] = {}
+        self.input_counts = validate_inputs(cfg)
 
-    # -- bookkeeping -----------------------------------------------------------------------
+    # -- cache keys -------------------------------------------------------------------------
 
-    def _validate(self):
+    def _needs_corpus(self, stage: str) -> bool:
         c = self.cfg
-        for f in (*c.data.conversation_files, *c.data.eval_prompt_files):
-            if not Path(f).exists():
-                raise ConfigError(f"data file {f} does not exist")
-        if c.target.path and not (Path(c.target.path) / "config.json").exists():
-            raise ConfigError(f"target.path={c.target.path!r} has no config.json")
-        for k in c.drafters.kinds:
-            if k not in ("dspark", "dflash", "eagle3"):
-                raise ConfigError(f"unknown drafter kind {k!r} in drafters.kinds")
-        if "dspark" not in c.drafters.kinds and c.calibrate.max_prompts:
-            pass  # calibration is a no-op without DSpark
+        if stage == "tokenizer":
+            return not (c.tokenizer.path or c.target.path)
+        if stage == "target":
+            return not c.target.path and not c.data.conversation_files
+        if stage == "regenerate":
+            return not c.data.conversation_files
+        if stage == "evaluate":
+            return not c.data.eval_prompt_files
+        return False
+
+    def _reads(self, stage: str) -> tuple[tuple[str, ...], dict, tuple[str, ...]]:
+        """(config fields, {input: content hashes}, upstream stages) that `stage` reads."""
+        c, h = self.cfg, self.hasher
+        files: dict = {}
+        corpus = ("corpus",) if self._needs_corpus(stage) else ()
+        convs = {Path(f).name: h.file(f) for f in c.data.conversation_files}
+        if stage == "corpus":
+            files["python"] = list(sys.version_info[:2])  # the corpus reads the stdlib
+            files["needed"] = self._corpus_needed()
+            return ("data.corpus",), files, ()
+        if stage == "tokenizer":
+            tok_dir = c.tokenizer.path or c.target.path
+            if tok_dir:
+                files["tokenizer"] = h.tree(tok_dir, _TOKENIZER_FILES)
+                return (), files, ()
+            return ("tokenizer.vocab_size",), files, corpus
+        if stage == "target":
+            if c.target.path:
+                files["checkpoint"] = h.tree(c.target.path, _CHECKPOINT_FILES)
+                return ("target.target_layer_ids",), files, ()
+            files["conversations"] = convs
+            fields = tuple(
+                f"target.{k}" for k in ("model", "steps", "batch_size", "seq_len", "lr",
+                                        "warmup_frac", "seed")
+            )  # fmt: skip
+            return fields, files, ("tokenizer", *corpus)
+        if stage == "regenerate":
+            files["conversations"] = convs
+            return ("regenerate", "calibrate.max_prompts"), files, ("tokenizer", "target", *corpus)
+        if stage == "drafters":
+            return (
+                ("drafters", "calibrate.max_prompts"),
+                files,
+                ("tokenizer", "target", "regenerate"),
+            )
+        if stage == "calibrate":
+            fields = (
+                "calibrate",
+                "evaluate.temperature",
+                "evaluate.batch_size",
+                "evaluate.max_len",
+            )
+            return fields, files, ("tokenizer", "target", "regenerate", "drafters")
+        if stage == "evaluate":
+            files["prompts"] = {Path(f).name: h.file(f) for f in c.data.eval_prompt_files}
+            up = ("tokenizer", "target", "drafters", "calibrate", *corpus)
+            return ("name", "evaluate"), files, up
+        raise ConfigError(f"unknown stage {stage!r} — stages: {', '.join(STAGES)}")
+
+    def inputs(self, stage: str) -> dict:
+        fields, files, upstream = self._reads(stage)
+        return {
+            "fields": {f: _get(self.cfg, f) for f in fields},
+            "files": files,
+            "upstream": {u: self.key(u) for u in upstream},
+        }
+
+    def key(self, stage: str) -> str:
+        if stage not in self._keys:
+            self._keys[stage] = canonical_hash({"stage": stage, **self.inputs(stage)})
+        return self._keys[stage]
+
+    def _what_changed(self, stage: str) -> str:
+        old = (self.store.done_info(stage) or {}).get("inputs")
+        if not isinstance(old, dict):
+            return ""
+        new = self.inputs(stage)
+        changed = []
+        for part in ("fields", "files", "upstream"):
+            a, b = old.get(part, {}), new[part]
+            for k in sorted(set(a) | set(b)):
+                if a.get(k) != b.get(k):
+                    changed.append(k if part != "upstream" else f"{k} output")
+        return ", ".join(changed)
+
+    # -- bookkeeping ------------------------------------------------------------------------
 
     def stage_dir(self, stage: str) -> Path:
-        return self.run / stage
+        """Where `stage`'s output is: its work folder while it runs, else the current output."""
+        return self._building.get(stage) or self.store.current(stage)
 
     def is_done(self, stage: str) -> bool:
-        m = self.stage_dir(stage) / "done.json"
-        if not m.exists():
-            return False
-        try:
-            return json.loads(m.read_text()).get("hash") == _hash(self.cfg, stage)
-        except (OSError, json.JSONDecodeError):
-            return False
-
-    def mark_done(self, stage: str, info: dict):
-        write_json_atomic(
-            self.stage_dir(stage) / "done.json",
-            {"hash": _hash(self.cfg, stage), "time": time.time(), **info},
-        )
+        return self.store.is_done(stage, self.key(stage))
 
     def done_info(self, stage: str) -> dict:
-        return json.loads((self.stage_dir(stage) / "done.json").read_text())
+        return self.store.done_info(stage) or {}
 
     def run_stages(self, stages=STAGES, *, force=()):
-        unknown = [s for s in stages if s not in STAGES]
+        unknown = [s for s in (*stages, *force) if s not in STAGES]
         if unknown:
-            raise ConfigError(f"unknown stage(s) {unknown}; stages: {STAGES}")
+            raise ConfigError(f"unknown stage(s) {unknown} — stages: {', '.join(STAGES)}")
         self.run.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.run / "config.json", self.cfg.to_json())
+        # a stage that is not run here must already be there for the stages that read it
+        for s in STAGES:
+            if s in stages:
+                continue
+            if any(s in self._reads(t)[2] for t in stages) and not self.store.recover(
+                s, self.key(s)
+            ):
+                raise ConfigError(
+                    f"stage {s!r} has no output for this configuration — run it first "
+                    f"(--stages {s},...) or drop --stages"
+                )
+        self.hasher.save()
         for s in STAGES:
             if s not in stages:
                 continue
-            if self.is_done(s) and s not in force:
+            key = self.key(s)
+            if s not in force and self.store.recover(s, key):
                 self.status[s] = "cached"
-                self.log(f"[{s}] cached ({self.stage_dir(s)})")
+                self.log(f"[{s}] cached ({self.store.current(s)})")
+                self._write_config()
                 continue
-            self._prepare_stage_dir(s, fresh=s in force)
-            self.log(f"[{s}] running")
+            changed = self._what_changed(s)
+            self.log(f"[{s}] running" + (f" (changed: {changed})" if changed else ""))
+            self._building[s] = self.store.begin(s, key, force=s in force)
             t0 = time.perf_counter()
-            info = getattr(self, f"_stage_{s}")()
+            try:
+                info = getattr(self, f"_stage_{s}")()
+            finally:
+                self._building.pop(s)
             self.timings[s] = time.perf_counter() - t0
-            self.mark_done(s, {"seconds": self.timings[s], **(info or {})})
+            info = {"seconds": self.timings[s], "inputs": self.inputs(s), **(info or {})}
+            self.store.commit(s, key, info, force=s in force)
+            self.rundir.forget()
+            self._write_config()
             self.status[s] = "ran"
             self.log(f"[{s}] done in {self.timings[s]:.1f}s")
         return self.status
 
-    def _prepare_stage_dir(self, stage: str, fresh: bool):
-        """Keep a stage's partial work (checkpoints, shards) only if it was made with the same
-        configuration; anything from another configuration (or a forced redo) is removed."""
-        d = self.stage_dir(stage)
-        tag = d / "stage_hash"
-        h = _hash(self.cfg, stage)
-        if d.exists() and (fresh or not tag.exists() or tag.read_text().strip() != h):
-            shutil.rmtree(d)
-        d.mkdir(parents=True, exist_ok=True)
-        tag.write_text(h)
-
-    def _require(self, stage: str):
-        if not self.is_done(stage):
-            raise ConfigError(
-                f"stage {stage!r} has not run with this configuration; run it first "
-                f"(--stages {stage},...) or drop --stages"
-            )
+    def _write_config(self):
+        """config.json describes the run directory's outputs: written after a stage finished."""
+        write_json_atomic(self.run / "config.json", self.cfg.to_json())
 
     # -- shared loaders (the run directory's, see dspark_jax.run.rundir) -----------------------
 
@@ -176,8 +229,8 @@ class Pipeline:
         return build_corpus(self.stage_dir("corpus"), self.cfg.data.corpus)
 
     def eval_sets(self) -> dict[str, tuple[str, list[list[str]]]]:
-        """dataset name -> (domain, prompts as lists of user turns)."""
-        from dspark_jax.train.data import read_prompts, select_prompts
+        """dataset name -> (domain, every prompt as a list of user turns)."""
+        from dspark_jax.train.data import read_prompts
 
         c = self.cfg
         files = {}
@@ -190,16 +243,28 @@ class Pipeline:
         out = {}
         for name, (dom, p) in files.items():
             prompts, _ = read_prompts(p)
-            sel = select_prompts(prompts, c.evaluate.max_prompts_per_dataset)
-            out[name] = (dom, [list(pr.turns) for pr in sel])
+            out[name] = (dom, [list(pr.turns) for pr in prompts])
         return out
+
+    def fitting_prompts(self, turns: list[list[str]], max_new_tokens: int):
+        """(token ids of the prompts that fit the target's context with this budget, how many
+        did not, the limit). Only the first user turn is evaluated."""
+        from dspark_jax.train.data import encode_prompt
+
+        tok = self.tokenizer()
+        limit = self.rundir.prompt_limit(max_new_tokens, self.cfg.evaluate.max_len)
+        toks = [tuple(encode_prompt(tok, t[0]).tolist()) for t in turns]
+        kept = [t for t in toks if len(t) <= limit]
+        return kept, len(toks) - len(kept), limit
 
     # -- stages ---------------------------------------------------------------------------------
 
+    def _corpus_needed(self) -> bool:
+        return any(self._needs_corpus(s) for s in STAGES)
+
     def _stage_corpus(self):
-        c = self.cfg
-        if c.data.conversation_files:
-            return {"source": "user files", "files": list(c.data.conversation_files)}
+        if not self._corpus_needed():
+            return {"skipped": "user files and checkpoints replace the embedded corpus"}
         files = self.corpus_files()
         self.log(
             f"  corpus: {json.dumps(files.stats.get('domains', files.stats), default=str)[:300]}"
@@ -213,7 +278,6 @@ class Pipeline:
             return {"source": c.tokenizer.path or c.target.path, "vocab": len(tok)}
         from dspark_jax.train.tokenizer import train_tokenizer
 
-        self._require("corpus")
         files = self.corpus_files()
         tok = train_tokenizer(files.text, self.stage_dir("tokenizer"), c.tokenizer.vocab_size)
         self.rundir.set_tokenizer(tok)
@@ -285,6 +349,8 @@ class Pipeline:
         tok = self.tokenizer()
         prompts = self._regen_prompts()
         stop = self.stop_ids()
+        ctx = tcfg.max_position_embeddings
+        buckets = tuple(b for b in LENGTH_BUCKETS if b <= ctx)
         shard_dir = self.stage_dir("regenerate") / "shards"
         shard_dir.mkdir(parents=True, exist_ok=True)
         shard = max(c.batch_size, 1) * 4
@@ -304,12 +370,12 @@ class Pipeline:
                 for i in idx:
                     msgs[i].append({"role": "user", "content": chunk[i][turn]})
                 toks = [list(encode_prompt(tok, msgs[i])) for i in idx]
-                keep = [j for j, t in enumerate(toks) if len(t) + c.max_new_tokens <= 1024]
+                keep = [j for j, t in enumerate(toks) if len(t) + c.max_new_tokens <= ctx]
                 outs = generate(
                     tcfg, tparams, [toks[j] for j in keep], max_new_tokens=c.max_new_tokens,
                     sampling={"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k},
                     stop_ids=stop, seeds=[c.seed + lo + idx[j] for j in keep],
-                    batch_buckets=(c.batch_size,), length_buckets=(64, 128, 256, 512, 1024),
+                    batch_buckets=(c.batch_size,), length_buckets=buckets,
                 )  # fmt: skip
                 for j, out in zip(keep, outs):
                     text = tok.decode([t for t in out if t not in stop], skip_special_tokens=True)
@@ -368,29 +434,39 @@ class Pipeline:
             )  # fmt: skip
             self.log(f"  training {kind}: {_count(trainer.trainable)} trainable parameters")
             res = trainer.run()
-            info[kind] = {"best_step": res.best_step, "best_sim_tau": res.best_score}
+            best_step, best_score = res.best_step, res.best_score
+            if not (trainer.run_dir / "best").is_dir() or best_step is None:
+                # fewer steps than eval_every, or resumed after the last step: evaluate now so
+                # that the stage always ends with a best checkpoint
+                trainer.evaluate()
+                trainer.best_ckpt.wait()
+                best_step, best_score = trainer.best_step, trainer.best_score
+            if best_step is None:
+                raise ConfigError(
+                    f"the {kind} drafter's evaluation gave no finite simulated τ, so there is no "
+                    "best checkpoint — lower drafters.lr or raise drafters.steps"
+                )
+            info[kind] = {"best_step": best_step, "best_sim_tau": best_score}
         return info
-
-    def max_prompt_len(self, max_new_tokens: int) -> int:
-        """Longest prompt the evaluation decoder takes (prompt + new tokens + γ + 1 ≤ max_len)."""
-        e = self.cfg.evaluate
-        limit = e.max_len - max_new_tokens - self.cfg.drafters.block_size - 2
-        return min(limit, max(self.rundir.length_buckets(e.max_len)))
 
     def _stage_calibrate(self):
         from dspark_jax.eval.offline import EvalDataset, calibration_pairs, run_dataset
         from dspark_jax.sched.sts import fit_sts
         from dspark_jax.spec.metrics import reliability_from_logits
-        from dspark_jax.train.data import encode_prompt
 
         if "dspark" not in self.cfg.drafters.kinds:
             return {"skipped": "no dspark drafter"}
         c = self.cfg.calibrate
-        tok = self.tokenizer()
         _, cal = self._regenerated()
-        prompts = tuple(tuple(encode_prompt(tok, cv.user_turns()[0]).tolist()) for cv in cal)
-        prompts = tuple(p for p in prompts if len(p) <= self.max_prompt_len(c.max_new_tokens))
-        dec = self.decoder("dspark")
+        turns = [list(cv.user_turns()) for cv in cal]
+        kept, too_long, limit = self.fitting_prompts(turns, c.max_new_tokens)
+        if not kept:
+            raise ConfigError(
+                f"no calibration prompt fits in {limit} tokens — raise evaluate.max_len (0 = the "
+                "target's context) or lower calibrate.max_new_tokens"
+            )
+        prompts = tuple(kept)
+        dec = self.rundir.decoder_for("dspark", [len(p) for p in prompts], c.max_new_tokens)
         g = dec.dcfg.block_size
         res = run_dataset(
             dec, EvalDataset("calibration", "mixed", prompts), max_new_tokens=c.max_new_tokens,
@@ -414,36 +490,47 @@ class Pipeline:
 
     def _stage_evaluate(self):
         from dspark_jax.eval import offline
-        from dspark_jax.train.data import encode_prompt
+        from dspark_jax.train.data import select_prompts
 
         e = self.cfg.evaluate
-        tok = self.tokenizer()
         tcfg, tparams = self.target()
-        sets = self.eval_sets()
         stop = self.stop_ids()
-        datasets = {}
-        for name, (dom, turns) in sets.items():
-            toks = [tuple(encode_prompt(tok, t[0]).tolist()) for t in turns]
-            limit = self.max_prompt_len(e.max_new_tokens)
-            kept = tuple(t for t in toks if len(t) <= limit)
-            if len(kept) < len(toks):
+        datasets, coverage = {}, {}
+        for name, (dom, turns) in self.eval_sets().items():
+            kept, too_long, limit = self.fitting_prompts(turns, e.max_new_tokens)
+            sel = tuple(select_prompts(kept, e.max_prompts_per_dataset))
+            coverage[name] = {
+                "domain": dom, "prompts": len(sel), "available": len(turns),
+                "too_long": too_long, "max_prompt_tokens": limit,
+            }  # fmt: skip
+            if too_long:
                 self.log(
-                    f"  {name}: {len(toks) - len(kept)} prompts longer than {limit} tokens "
-                    "skipped (raise evaluate.max_len)"
+                    f"  {name}: {too_long} of {len(turns)} prompts longer than {limit} tokens "
+                    "(the target's context minus the generation budget) are not evaluated"
                 )
-            if not kept:
-                raise ConfigError(
-                    f"evaluation set {name!r} has no prompt that fits; raise evaluate.max_len"
-                )
-            datasets[name] = offline.EvalDataset(name, dom, kept)
+            if not sel:
+                self.log(f"  {name}: no prompt fits in {limit} tokens; dataset not evaluated")
+                continue
+            datasets[name] = offline.EvalDataset(name, dom, sel)
+        if not datasets:
+            raise ConfigError(
+                f"no evaluation prompt fits in the target's context minus "
+                f"evaluate.max_new_tokens={e.max_new_tokens} — lower evaluate.max_new_tokens or "
+                "use shorter prompts"
+            )
+        longest = max(len(p) for ds in datasets.values() for p in ds.prompts)
         domains = {k: v.domain for k, v in datasets.items()}
         per_drafter: dict[str, dict] = {}
         calib = None
         total = sum(len(v.prompts) for v in datasets.values()) * len(self.cfg.drafters.kinds)
         bar = tqdm(total=total, desc="evaluate", unit="prompt")
         all_results = {}
+        decoders = {
+            k: self.rundir.decoder_for(k, [longest], e.max_new_tokens, e.max_len)
+            for k in self.cfg.drafters.kinds
+        }
         for kind in self.cfg.drafters.kinds:
-            dec = self.decoder(kind)
+            dec = decoders[kind]
             per_drafter[kind] = {}
             for name, ds in datasets.items():
                 res = offline.run_dataset(
@@ -461,15 +548,15 @@ class Pipeline:
             kind = "dspark" if "dspark" in self.cfg.drafters.kinds else self.cfg.drafters.kinds[0]
             first = next(iter(datasets.values()))
             speed = offline.speed_batch1(
-                self.decoder(kind), tcfg, tparams, first.prompts[: e.speed_prompts],
+                decoders[kind], tcfg, tparams, first.prompts[: e.speed_prompts],
                 max_new_tokens=e.max_new_tokens, temperature=e.temperature, stop_ids=stop,
             )  # fmt: skip
             speed = {"drafter": kind, **speed}
         report = {
             "config": self.cfg.name,
-            "datasets": {
-                k: {"domain": v.domain, "prompts": len(v.prompts)} for k, v in datasets.items()
-            },
+            # prompts evaluated / available / too long for the context, per dataset
+            "datasets": {k: coverage[k] for k in datasets},
+            "datasets_not_evaluated": {k: v for k, v in coverage.items() if k not in datasets},
             **table,
             "per_dataset": per_drafter,
             "calibration": calib,
@@ -478,9 +565,11 @@ class Pipeline:
         }
         out = self.stage_dir("evaluate")
         write_json_atomic(out / "report.json", report)
-        md = offline.markdown_report(table, per_drafter, speed, calib)
-        (out / "report.md").write_text(md)
-        offline.plot_report(table, per_drafter, out / "tau.png")
+        md = offline.markdown_report(table, per_drafter, speed, calib, coverage=coverage)
+        write_text_atomic(out / "report.md", md)
+        tmp = out / "tau.tmp.png"
+        if offline.plot_report(table, per_drafter, tmp):
+            os.replace(tmp, out / "tau.png")
         self.log("\n" + md)
         return {"macro": {k: v["macro"] for k, v in table["tau"].items()}}
 

@@ -1,0 +1,214 @@
+"""Check a whole `PipelineConfig` and every input file before the first stage runs.
+
+A mistake must cost seconds, never a trained stage: every field's type and range (including
+fields only a late stage reads), every input file parsed (not only checked for existence), and the
+cross-field limits (prompt + generation budget within the target's context). Errors are
+`ConfigError` / `DataError` with one line naming the field or file and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+
+from dspark_jax.config import MARKOV_HEAD_TYPES, ConfigError, TargetConfig
+from dspark_jax.pipeline_config import PipelineConfig
+from dspark_jax.train.data import DataError
+
+DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
+
+# (low, high, low_inclusive, high_inclusive); None = unbounded. Fields not listed only need their
+# type (plus `_INT_MIN_DEFAULT` for ints: counts and sizes are non-negative).
+_RANGES: dict[str, tuple] = {
+    "keep_versions": (0, None, True, True),
+    "tokenizer.vocab_size": (260, None, True, True),
+    "target.steps": (1, None, True, True),
+    "target.batch_size": (1, None, True, True),
+    "target.seq_len": (8, None, True, True),
+    "target.lr": (0, None, False, True),
+    "target.warmup_frac": (0, 1, True, False),
+    "regenerate.temperature": (0, None, True, True),
+    "regenerate.top_p": (0, 1, False, True),
+    "regenerate.max_new_tokens": (1, None, True, True),
+    "regenerate.max_prompts": (1, None, True, True),
+    "regenerate.batch_size": (1, None, True, True),
+    "drafters.block_size": (1, None, True, True),
+    "drafters.num_layers": (1, None, True, True),
+    "drafters.num_anchors": (1, None, True, True),
+    "drafters.steps": (1, None, True, True),
+    "drafters.batch_size": (1, None, True, True),
+    "drafters.seq_len": (8, None, True, True),
+    "drafters.lr": (0, None, False, True),
+    "drafters.eval_every": (1, None, True, True),
+    "calibrate.max_new_tokens": (1, None, True, True),
+    "evaluate.max_prompts_per_dataset": (1, None, True, True),
+    "evaluate.max_new_tokens": (1, None, True, True),
+    "evaluate.temperature": (0, None, True, True),
+    "evaluate.batch_size": (1, None, True, True),
+    "evaluate.max_len": (0, None, True, True),
+    "data.corpus.heldout_fraction": (0, 1, True, True),
+    "data.corpus.two_turn_fraction": (0, 1, True, True),
+}
+_NO_RANGE = {"target.seed", "regenerate.seed", "drafters.seed", "evaluate.seed", "data.corpus.seed"}
+
+
+def validate_config(cfg: PipelineConfig) -> None:
+    """Types and ranges of every field, then the cross-field rules."""
+    _walk(cfg, "")
+    d = cfg.drafters
+    if not d.kinds:
+        raise ConfigError(
+            "drafters.kinds is empty — name at least one of " + ", ".join(DRAFTER_KINDS)
+        )
+    for k in d.kinds:
+        if k not in DRAFTER_KINDS:
+            raise ConfigError(
+                f"unknown drafter kind {k!r} in drafters.kinds — use {', '.join(DRAFTER_KINDS)}"
+            )
+    if len(set(d.kinds)) != len(d.kinds):
+        raise ConfigError(f"drafters.kinds {d.kinds} lists a drafter twice — list each once")
+    if d.markov_head_type not in MARKOV_HEAD_TYPES:
+        raise ConfigError(
+            f"drafters.markov_head_type={d.markov_head_type!r} is unknown — use one of "
+            + ", ".join(MARKOV_HEAD_TYPES)
+        )
+    if d.markov_rank < 0:
+        raise ConfigError(f"drafters.markov_rank={d.markov_rank} must be >= 0 (0 = no Markov head)")
+
+
+def _walk(obj, prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key = f"{prefix}{f.name}"
+        v = getattr(obj, f.name)
+        if isinstance(v, TargetConfig):
+            continue  # TargetConfig checks itself on construction
+        if dataclasses.is_dataclass(v):
+            _walk(v, key + ".")
+            continue
+        _check_type(key, v, hints[f.name])
+        _check_range(key, v)
+
+
+def _check_type(key: str, v, typ) -> None:
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if v is None and type(None) in typing.get_args(typ):
+            return
+        typ, origin = args[0], typing.get_origin(args[0])
+    if origin is tuple:
+        if not isinstance(v, tuple):
+            raise ConfigError(f"{key}={v!r} must be a list (e.g. --set {key}=a,b)")
+        (elem, *_) = typing.get_args(typ) or (object,)
+        for x in v:
+            if elem is not Ellipsis and elem is not object:
+                _check_type(f"{key}[]", x, elem)
+        return
+    ok = {
+        int: isinstance(v, int) and not isinstance(v, bool),
+        float: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: isinstance(v, str),
+        bool: isinstance(v, bool),
+    }.get(typ, True)
+    if not ok:
+        raise ConfigError(f"{key}={v!r} must be a {typ.__name__}")
+    if typ is float and not math.isfinite(v):
+        raise ConfigError(f"{key}={v!r} must be a finite number")
+
+
+def _check_range(key: str, v) -> None:
+    if key in _NO_RANGE or isinstance(v, (bool, str, tuple)) or v is None:
+        return
+    lo, hi, lo_inc, hi_inc = _RANGES.get(key, (0, None, True, True))
+    bad = (lo is not None and (v < lo if lo_inc else v <= lo)) or (
+        hi is not None and (v > hi if hi_inc else v >= hi)
+    )
+    if bad:
+        lo_s = "" if lo is None else ("[" if lo_inc else "(") + str(lo)
+        hi_s = "∞)" if hi is None else str(hi) + ("]" if hi_inc else ")")
+        raise ConfigError(f"{key}={v!r} is out of range — use a value in {lo_s}, {hi_s}")
+
+
+def target_context(cfg: PipelineConfig) -> int:
+    """The target's max_position_embeddings (from its checkpoint with target.path)."""
+    if cfg.target.path:
+        from dspark_jax.models.hf import read_hf_config
+
+        return int(read_hf_config(cfg.target.path).get("max_position_embeddings", 4096))
+    return cfg.target.model.max_position_embeddings
+
+
+def min_prompt_room(cfg: PipelineConfig) -> None:
+    """evaluate.max_len must fit the target and leave room for a prompt after the budget."""
+    e, g = cfg.evaluate, cfg.drafters.block_size
+    ctx = target_context(cfg)
+    if 0 < e.max_len < 16:
+        raise ConfigError(
+            f"evaluate.max_len={e.max_len} is too small — use 0 (the target's context) or >= 16"
+        )
+    if e.max_len > ctx:
+        raise ConfigError(
+            f"evaluate.max_len={e.max_len} exceeds the target's context ({ctx} positions) — "
+            f"set evaluate.max_len <= {ctx}"
+        )
+    for name, budget in (
+        ("evaluate", e.max_new_tokens),
+        ("calibrate", cfg.calibrate.max_new_tokens),
+    ):
+        room = (e.max_len or ctx) - budget - g - 2
+        if room < 8:
+            raise ConfigError(
+                f"{name}.max_new_tokens={budget} leaves {room} positions for the prompt in "
+                f"{e.max_len or ctx} positions — raise evaluate.max_len or lower {name}.max_new_tokens"
+            )
+
+
+def validate_inputs(cfg: PipelineConfig) -> dict[str, int]:
+    """Parse every input file the configuration names; returns {file: usable rows}."""
+    from dspark_jax.train.data import read_conversations, read_prompts
+
+    counts = {}
+    for f in cfg.data.conversation_files:
+        _exists(f, "data.conversation_files")
+        convs, stats = read_conversations(f)
+        if not convs:
+            raise DataError(
+                f, None, f"no usable conversation ({stats.summary()}) — fix or drop the file"
+            )
+        counts[f] = len(convs)
+    stems = [Path(f).stem for f in cfg.data.eval_prompt_files]
+    if len(set(stems)) != len(stems):
+        raise ConfigError(
+            f"data.eval_prompt_files {cfg.data.eval_prompt_files} has two files with the same "
+            "name; datasets are named by file stem — rename one"
+        )
+    for f in cfg.data.eval_prompt_files:
+        _exists(f, "data.eval_prompt_files")
+        prompts, stats = read_prompts(f)
+        if not prompts:
+            raise DataError(f, None, f"no usable prompt ({stats.summary()}) — fix or drop the file")
+        counts[f] = len(prompts)
+    if cfg.target.path:
+        from dspark_jax.models.hf import config_from_hf, read_hf_config
+
+        tcfg = config_from_hf(
+            read_hf_config(cfg.target.path), target_layer_ids=cfg.target.target_layer_ids or None
+        )
+        del tcfg
+    tok_dir = cfg.tokenizer.path or cfg.target.path
+    if tok_dir:
+        from dspark_jax.train.tokenizer import load_tokenizer
+
+        load_tokenizer(tok_dir)
+    min_prompt_room(cfg)
+    return counts
+
+
+def _exists(f: str, field: str) -> None:
+    p = Path(f)
+    if not p.is_file():
+        raise ConfigError(f"{field}: {f} does not exist or is not a file — check the path")
