@@ -163,18 +163,15 @@ class Pipeline:
         unknown = [s for s in (*stages, *force) if s not in STAGES]
         if unknown:
             raise ConfigError(f"unknown stage(s) {unknown} — stages: {', '.join(STAGES)}")
-        self.run.mkdir(parents=True, exist_ok=True)
         # a stage that is not run here must already be there for the stages that read it
-        for s in STAGES:
-            if s in stages:
-                continue
-            if any(s in self._reads(t)[2] for t in stages) and not self.store.recover(
-                s, self.key(s)
-            ):
-                raise ConfigError(
-                    f"stage {s!r} has no output for this configuration — run it first "
-                    f"(--stages {s},...) or drop --stages"
-                )
+        needed = {u for t in stages for u in self._reads(t)[2]} - set(stages)
+        missing = [s for s in STAGES if s in needed and not self.store.recover(s, self.key(s))]
+        if missing:
+            raise ConfigError(
+                f"stage(s) {', '.join(missing)} have no output for this configuration — run "
+                f"them first (--stages {','.join(missing)},...) or drop --stages"
+            )
+        self.run.mkdir(parents=True, exist_ok=True)
         self.hasher.save()
         for s in STAGES:
             if s not in stages:
