@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Speculative generation from a trained run directory (the HTTP server is a later issue).
+"""Speculative generation from a trained run directory, and the OpenAI-compatible HTTP server.
 
     python serve.py generate --run-dir runs/tiny --drafter dspark --prompt "What is 12 plus 30?"
     python serve.py generate --run-dir runs/tiny --prompt "..." --temperature 0 --policy dspark
+    python serve.py serve --run-dir runs/tiny --host 127.0.0.1 --port 8000
+    python serve.py bench --url http://127.0.0.1:8000 --requests 1000
 
 Loads the target (HF checkpoint) and the drafter's best checkpoint from the run directory,
 applies the chat template, decodes speculatively (exact: the output follows the target's
@@ -37,9 +39,14 @@ def main(argv=None) -> int:
     g.add_argument("--threshold", type=float, default=0.5)
     g.add_argument("--cost-profile", default="", help="decode_cost.py JSON (SPS(B) table)")
     g.add_argument("--debug", action="store_true", help="show tracebacks of errors")
-    args = ap.parse_args(argv)
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from dspark_jax.engine import server_cli  # `serve` and `bench` (HTTP server, load test)
+
+    server_cli.add_subcommands(sub)
+    args = ap.parse_args(argv)
+    if args.cmd in ("serve", "bench"):
+        return server_cli.run(args)
+
     from dspark_jax.run.cli import report, user_errors
     from dspark_jax.run.rundir import RunDir
     from dspark_jax.train.data import encode_prompt

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import signal
 import threading
 import time
 import uuid
@@ -420,7 +421,15 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, **kw):
 def run_server(app: FastAPI, host: str, port: int, *, drain_timeout_s: float = 30.0,
                log_level: str = "info") -> None:  # fmt: skip
     """Serve until SIGINT/SIGTERM; then stop accepting, let open requests finish (up to
-    `drain_timeout_s`, then cancel them), drain the engine and return."""
+    `drain_timeout_s`, then cancel them), drain the engine and return normally."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=int(max(drain_timeout_s, 1)))  # fmt: skip
-    uvicorn.Server(config).run()
+    # uvicorn re-raises the signal it shut down on, under the handler it found installed; the
+    # drain is done by then, so that handler ignores it and the process exits normally.
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,202 @@
+"""`serve.py serve` and `serve.py bench`: arguments, model loading and the start-up log.
+
+    python serve.py serve --run-dir runs/tiny [--host 127.0.0.1 --port 8000]
+    python serve.py serve --target ckpt/Qwen3-0.6B --drafter ckpt/dspark-qwen3 --policy alg1
+    python serve.py bench --url http://127.0.0.1:8000 --requests 1000
+
+Speculative knobs are fixed per server at start-up: the drafter, the verification policy
+(default Algorithm 1, `alg1`, on DSpark's STS-calibrated confidences) and its cost profile (the
+run's `cost_profile.json`, else `--cost-profile`, else the profile shipped in
+benchmarks/results, with a warning in the log that it was measured on another model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from dspark_jax.engine import server_load
+
+DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
+POLICIES = ("alg1", "async", "threshold", "fixed", "mtp1")
+SHIPPED_PROFILES = tuple(
+    Path(__file__).resolve().parents[2] / "benchmarks" / "results" / f
+    for f in ("decode_cost.json", "decode_cost.tiny.json")
+)
+
+log = logging.getLogger("dspark.serve")
+
+
+def add_subcommands(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run-dir", help="a run directory written by train.py")
+    src.add_argument("--target", help="a Hugging Face target checkpoint directory")
+    s.add_argument("--drafter", default="dspark",
+                   help="with --run-dir: dspark | dflash | eagle3; with --target: the drafter "
+                        "checkpoint directory")  # fmt: skip
+    s.add_argument("--tokenizer", default="", help="with --target (default: the target's dir)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model-name", default="", help="the `model` clients send (default: dir name)")
+    s.add_argument("--policy", default=None, choices=POLICIES,
+                   help="verification lengths (default alg1 = Algorithm 1; fixed for drafters "
+                        "without confidences)")  # fmt: skip
+    s.add_argument("--gamma", type=int, default=None, help="fixed policy: drafts verified")
+    s.add_argument("--threshold", type=float, default=0.5, help="threshold policy")
+    s.add_argument("--cost-profile", default="", help="decode_cost.py JSON for alg1 / async")
+    s.add_argument("--num-slots", type=int, default=8, help="concurrent requests on the device")
+    s.add_argument("--max-len", type=int, default=1024, help="prompt + completion tokens, max")
+    s.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    s.add_argument("--seed", type=int, default=0, help="root seed of the engine's sampling")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM: seconds open requests may take to finish")  # fmt: skip
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    s.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+
+    b = sub.add_parser("bench", help="bounded load test of a server on 127.0.0.1")
+    server_load.add_arguments(b)
+
+
+def run(args) -> int:
+    """Dispatch `serve` / `bench` (argparse namespace from `add_subcommands`)."""
+    if args.cmd == "bench":
+        return server_load.run_cli(args)
+    from dspark_jax.run.cli import report, user_errors
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        server_load.check_local(f"http://{args.host}")  # refuse to bind beyond this machine
+    except ValueError:
+        log.warning("binding %s: the server is reachable from other machines", args.host)
+    try:
+        app = build_app(args)
+    except user_errors() as e:
+        return report(e, args.debug)
+    from dspark_jax.engine.server import run_server
+
+    log.info("serving on http://%s:%d (Ctrl-C / SIGTERM drains and exits)", args.host, args.port)
+    run_server(app, args.host, args.port, drain_timeout_s=args.drain_timeout,
+               log_level=args.log_level)  # fmt: skip
+    log.info("stopped")
+    return 0
+
+
+def _load(args):
+    """(tokenizer, stop ids, tcfg, tparams, dcfg, dparams, sts, run cost profile, name)."""
+    from dspark_jax.train.tokenizer import load_tokenizer, special_token_ids
+
+    if args.run_dir:
+        from dspark_jax.run.rundir import RunDir
+
+        if args.drafter not in DRAFTER_KINDS:
+            raise ValueError(f"--drafter must be one of {DRAFTER_KINDS} with --run-dir")
+        run = RunDir(args.run_dir)
+        tok = run.tokenizer()
+        tcfg, tparams = run.target()
+        dcfg, dparams = run.drafter(args.drafter)
+        cost = run.cost_profile()
+        where = run.cost_profile_path()
+        return (tok, run.stop_ids(), tcfg, tparams, dcfg, dparams, run.sts(args.drafter),
+                cost, where, run.path.name)  # fmt: skip
+    from dspark_jax.drafters.hf import load_hf_drafter
+    from dspark_jax.models.hf import load_target
+
+    if args.drafter in DRAFTER_KINDS:
+        raise ValueError("with --target, --drafter is the drafter's checkpoint directory")
+    tok = load_tokenizer(args.tokenizer or args.target)
+    tcfg, tparams = load_target(args.target)
+    dcfg, dparams = load_hf_drafter(args.drafter, target=tcfg)
+    name = Path(args.target).resolve().name
+    return (
+        tok,
+        special_token_ids(tok)["eos_ids"],
+        tcfg,
+        tparams,
+        dcfg,
+        dparams,
+        None,
+        None,
+        None,
+        name,
+    )
+
+
+def _cost_profile(args, run_cost, run_where, n_params: int):
+    from dspark_jax.sched.cost import CostProfile
+
+    if args.cost_profile:
+        log.info("cost profile: %s (--cost-profile)", args.cost_profile)
+        return CostProfile.load(args.cost_profile)
+    if run_cost is not None:
+        log.info("cost profile: %s (measured for this run)", run_where)
+        return run_cost
+    shipped = [f for f in SHIPPED_PROFILES if f.is_file()]
+    if not shipped:
+        raise ValueError(
+            f"policy {args.policy} needs a cost profile and there is none"
+            + (f" in the run ({run_where})" if run_where else "")
+            + " — pass --cost-profile FILE (benchmarks/decode_cost.py writes one) or --policy fixed"
+        )
+
+    def distance(f):  # the shipped profile measured on the model closest in size
+        meta = json.loads(f.read_text())["cost_profile"].get("meta", {})
+        return abs(math.log(max(meta.get("params", 1), 1) / max(n_params, 1)))
+
+    best = min(shipped, key=distance)
+    log.warning(
+        "no cost profile for this model%s: using the shipped %s, measured on another model and "
+        "machine — Algorithm 1's choices may be off; measure one with benchmarks/decode_cost.py "
+        "and pass --cost-profile", f" (no {run_where})" if run_where else "", best,
+    )  # fmt: skip
+    return CostProfile.load(best)
+
+
+def build_app(args):
+    """Load the model, build and warm up the engine, return the FastAPI app."""
+    import jax
+
+    from dspark_jax.engine.server import create_app
+    from dspark_jax.engine.serving import ServingEngine
+
+    t0 = time.perf_counter()
+    tok, stop_ids, tcfg, tparams, dcfg, dparams, sts, run_cost, where, name = _load(args)
+    has_conf = dcfg.kind == "dspark" and bool(getattr(dcfg, "confidence_head", True))
+    if args.policy is None:
+        args.policy = "alg1" if has_conf else "fixed"
+        if not has_conf:
+            log.info("drafter %s has no confidences: policy fixed γ=%d", dcfg.kind, dcfg.block_size)
+    if args.policy in ("alg1", "async"):
+        n_params = sum(x.size for x in jax.tree.leaves(tparams))
+        cost = _cost_profile(args, run_cost, where, n_params)
+    else:
+        cost = None
+    if args.policy in ("alg1", "async", "threshold") and sts is None:
+        log.warning("no STS calibration for this drafter: confidences are used uncalibrated")
+    max_len = min(args.max_len, tcfg.max_position_embeddings)
+    if max_len < args.max_len:
+        log.warning("--max-len %d capped to the target's %d positions", args.max_len, max_len)
+    engine = ServingEngine(
+        tcfg, dcfg, tparams, dparams, num_slots=args.num_slots, max_len=max_len,
+        policy=args.policy, gamma=args.gamma, threshold=args.threshold, cost_profile=cost,
+        sts=sts, max_queue=args.max_queue, root_seed=args.seed,
+    )  # fmt: skip
+    log.info("loaded %s (drafter %s, γ=%d, policy %s) in %.1f s; compiling...",
+             name, dcfg.kind, dcfg.block_size, args.policy, time.perf_counter() - t0)  # fmt: skip
+    t1 = time.perf_counter()
+    engine.warmup()
+    log.info("warm-up: %d compilations in %.1f s (slots %d, max_len %d, token buckets %s)",
+             engine.compilations, time.perf_counter() - t1, args.num_slots, max_len,
+             engine.token_buckets)  # fmt: skip
+    return create_app(engine, tok, args.model_name or name, stop_ids=stop_ids,
+                      drain_timeout_s=args.drain_timeout)  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_subcommands(ap.add_subparsers(dest="cmd", required=True))
+    return run(ap.parse_args(argv))
