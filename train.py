@@ -12,15 +12,30 @@ config field (unknown keys are errors); the final report is `<run_dir>/evaluate/
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 
 
 def load_config(path: str):
-    ns = runpy.run_path(path)
-    if "config" not in ns:
-        raise SystemExit(f"{path} must define a function config() returning a PipelineConfig")
-    return ns["config"]()
+    from dspark_jax.config import ConfigError
+    from dspark_jax.pipeline_config import PipelineConfig
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    if not os.path.isfile(path) and os.path.isfile(here):
+        path = here  # the presets in configs/ work from any directory
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} not found — pass a preset such as configs/tiny.py")
+    try:
+        ns = runpy.run_path(path)
+    except SyntaxError as e:
+        raise ConfigError(f"{path}:{e.lineno}: syntax error ({e.msg}) — fix the preset") from None
+    if not callable(ns.get("config")):
+        raise ConfigError(f"{path} must define a function config() returning a PipelineConfig")
+    cfg = ns["config"]()
+    if not isinstance(cfg, PipelineConfig):
+        raise ConfigError(f"{path}: config() returned {type(cfg).__name__}, not a PipelineConfig")
+    return cfg
 
 
 def main(argv=None) -> int:
@@ -39,8 +54,6 @@ def main(argv=None) -> int:
     ap.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = ap.parse_args(argv)
 
-    import os
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from dspark_jax.pipeline_config import apply_overrides
     from dspark_jax.run.cli import report, user_errors
@@ -56,6 +69,9 @@ def main(argv=None) -> int:
         pipe.run_stages(stages, force=force)
     except user_errors() as e:
         return report(e, args.debug)
+    except KeyboardInterrupt:
+        print("\ninterrupted — rerun the same command to resume", file=sys.stderr)
+        return 130
     print(stage_summary(pipe))
     return 0
 
