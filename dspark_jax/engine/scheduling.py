@@ -62,6 +62,7 @@ class Scheduler:
         has_confidence: bool,
     ):
         self.gamma = gamma
+        self.has_confidence = has_confidence
         self.sts = sts if sts is not None else STS.identity(gamma)
         if len(self.sts.temperatures) < gamma:
             raise ConfigError(

@@ -132,6 +132,22 @@ class ServingEngine:
         self._verified_hist = np.zeros(num_slots * g + 1, np.int64)
         self._finished_by_reason: dict[str, int] = {}
 
+    def set_policy(self, policy, *, gamma=None, threshold=0.5, cost_profile=None, sts=None):
+        """Swap the verification policy (host only: nothing recompiles). Engine must be idle."""
+        with self._step_lock:
+            if self.slots.running():
+                raise RuntimeError("set_policy() needs an idle engine (no running requests)")
+            self.scheduler = Scheduler(
+                policy,
+                self.gamma,
+                policy_gamma=gamma,
+                threshold=threshold,
+                cost=cost_profile,
+                sts=sts,
+                token_buckets=self.token_buckets,
+                has_confidence=self.scheduler.has_confidence,
+            )
+
     # ---- compile accounting ------------------------------------------------------------------
 
     @property

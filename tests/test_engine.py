@@ -1,0 +1,189 @@
+"""ServingEngine: greedy == plain greedy decoding for every policy, slot, admission time and
+bucket (with drafts that are really accepted), request lifecycle, errors, no retrace."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from dspark_jax.engine import (
+    PolicyError,
+    QueueFull,
+    RequestError,
+    RequestParams,
+    ServingEngine,
+)
+from dspark_jax.models.generate import generate
+from dspark_jax.sched import CostProfile, FixedGamma
+from dspark_jax.testing import CompileCounter
+from tests.engine_models import agreeing_pair
+
+G = 4
+PROMPTS = [[3, 9, 1], [5, 6, 7, 8, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48], [1, 2], [7] * 20]
+MAX_NEW = [40, 25, 33, 12, 30]
+COST = CostProfile.from_step_time(1.0, 0.08, max_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return agreeing_pair(vocab=64, gamma=G)
+
+
+@pytest.fixture(scope="module")
+def refs(pair):
+    tcfg, tp, _, _ = pair
+    return [generate(tcfg, tp, [p], max_new_tokens=m)[0] for p, m in zip(PROMPTS, MAX_NEW)]
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    tcfg, tp, dcfg, dp = pair
+    eng = ServingEngine(
+        tcfg, dcfg, tp, dp, num_slots=3, max_len=96, prompt_buckets=(8, 16),
+        token_buckets=(4, 8, 15), cache_buckets=(48, 96), modes=("greedy",),
+    )  # fmt: skip
+    eng.warmup()
+    assert eng.compilations == 2 + 3 * 2
+    return eng
+
+
+def _run_staggered(eng, order):
+    """Submit in `order`, a few at a time with rounds in between (arrivals mid-flight)."""
+    handles = {}
+    for k, i in enumerate(order):
+        handles[i] = eng.submit(PROMPTS[i], RequestParams(MAX_NEW[i], temperature=0.0))
+        if k % 2 == 1:
+            eng.step()
+    while eng.has_work():
+        eng.step()
+    return {i: h.result() for i, h in handles.items()}
+
+
+@pytest.mark.parametrize("policy", ["mtp1", "fixed", "threshold", "alg1", "async"])
+def test_greedy_equals_plain_decoding_every_policy(engine, refs, policy):
+    engine.set_policy(policy, cost_profile=COST, threshold=0.4)
+    before = engine.compilations
+    with CompileCounter() as cc:
+        outs = _run_staggered(engine, [0, 1, 2, 3, 4])
+        outs2 = _run_staggered(engine, [4, 2, 0, 3, 1])  # other slots and admission times
+    assert cc.count == 0, cc.names
+    assert engine.compilations == before
+    for i, ref in enumerate(refs):
+        assert outs[i].tokens == ref, (policy, i)
+        assert outs2[i].tokens == ref, (policy, i)
+        assert outs[i].finish_reason == "length"
+        assert all(0 <= a <= n <= G for a, n in zip(outs[i].num_accepted, outs[i].proposed))
+    rounds = sum(o.stats.rounds for o in outs.values())
+    tokens = sum(len(o.tokens) for o in outs.values())
+    if policy == "fixed":  # drafts really are accepted: several tokens per round
+        assert tokens / rounds > 2.5
+        assert all(o.stats.mean_accepted_length > 2.0 for o in outs.values())
+    if policy in ("alg1", "async", "threshold"):  # the scheduler varies the lengths
+        lens = {n for o in outs.values() for n in o.proposed}
+        assert len(lens) > 1, lens
+
+
+def test_stop_ids_cancel_and_lifecycle(engine, refs):
+    engine.set_policy("fixed")
+    ref = refs[0]
+    stop = ref[10]
+    cut = ref.index(stop) + 1
+    h = engine.submit(PROMPTS[0], RequestParams(40, temperature=0.0, stop_ids=(stop,)))
+    h2 = engine.submit(PROMPTS[1], RequestParams(25, temperature=0.0))
+    h3 = engine.submit(PROMPTS[2], RequestParams(33, temperature=0.0))
+    h4 = engine.submit(PROMPTS[3], RequestParams(12, temperature=0.0))  # queued: 3 slots
+    engine.step()
+    h2.cancel()
+    h4.cancel()  # cancelled while waiting
+    while engine.has_work():
+        engine.step()
+    out = h.result()
+    assert out.tokens == ref[:cut] and out.finish_reason == "stop"
+    assert h2.result().finish_reason == "cancelled"
+    assert h4.result().finish_reason == "cancelled" and h4.result().tokens == []
+    assert h3.result().tokens == refs[2]
+    streamed = [t for d in h3.stream(timeout=1) for t in d.tokens]
+    assert streamed == refs[2]
+    m = engine.metrics()
+    assert m.running == 0 and m.queue_len == 0
+    assert m.requests_finished_by_reason["cancelled"] >= 2
+    assert sum(m.accepted_per_position) <= m.accepted_tokens
+
+
+def test_request_errors(engine):
+    bad = [
+        ([], RequestParams(4)),
+        ([1, 64], RequestParams(4, temperature=0.0)),  # out of vocabulary
+        ([1, -1], RequestParams(4, temperature=0.0)),
+        ([1, 2], RequestParams(0, temperature=0.0)),
+        ([1, 2], RequestParams(-3, temperature=0.0)),
+        ([1] * 90, RequestParams(10, temperature=0.0)),  # can never fit max_len=96
+        ([1, 2], RequestParams(4, temperature=-1.0)),
+        ([1, 2], RequestParams(4, temperature=0.0, top_p=0.0)),
+        ([1, 2], RequestParams(4, temperature=0.0, stop_ids=(999,))),
+        ([1, 2], RequestParams(4, temperature=0.0, seed=-5)),
+        ([1, 2], RequestParams(4, temperature=0.7)),  # greedy-only engine
+    ]
+    for prompt, params in bad:
+        with pytest.raises(RequestError):
+            engine.submit(prompt, params)
+    assert not engine.has_work()
+
+
+def test_policy_outputs_are_checked(engine):
+    class TooLong:
+        def __call__(self, conf, *, max_len=None, stale_conf=None):
+            return np.full(conf.shape[0], G + 1)
+
+    engine.set_policy(TooLong())
+    h = engine.submit([1, 2, 3], RequestParams(8, temperature=0.0))
+    with pytest.raises(PolicyError, match="outside"):
+        engine.step()
+    engine.cancel(h.id)
+    engine.step()
+    assert h.result().finish_reason == "cancelled"
+    engine.set_policy(FixedGamma(G))
+
+
+def test_queue_full(pair):
+    tcfg, tp, dcfg, dp = pair
+    eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=1, max_len=96, max_queue=2)
+    eng.submit([1], RequestParams(2, temperature=0.0))
+    eng.submit([1], RequestParams(2, temperature=0.0))
+    with pytest.raises(QueueFull):
+        eng.submit([1], RequestParams(2, temperature=0.0))
+
+
+def test_background_thread_streams_and_shutdown(engine, refs):
+    engine.set_policy("fixed")
+    engine.start()
+    got = {}
+
+    def client(i):
+        h = engine.submit(PROMPTS[i], RequestParams(MAX_NEW[i], temperature=0.0))
+        got[i] = [t for d in h.stream(timeout=60) for t in d.tokens]
+
+    async def aclient(i):
+        h = engine.submit(PROMPTS[i], RequestParams(MAX_NEW[i], temperature=0.0))
+        toks = []
+        async for d in h.astream():
+            toks += d.tokens
+        return toks
+
+    async def many():
+        return await asyncio.gather(*(aclient(i) for i in (2, 3, 4)))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    aouts = asyncio.run(many())
+    for t in threads:
+        t.join(60)
+    engine.shutdown(drain=True, timeout=60)
+    assert got[0] == refs[0] and got[1] == refs[1]
+    assert aouts == [refs[2], refs[3], refs[4]]
+    with pytest.raises(RuntimeError):
+        engine.submit([1], RequestParams(2, temperature=0.0))
