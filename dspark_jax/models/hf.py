@@ -321,7 +321,9 @@ def load_tokenizer(path: str | os.PathLike, cfg: TargetConfig | None = None):
             f"missing files: no tokenizer in {path!r} (expected one of {list(names)}); save one "
             "with tokenizer.save_pretrained(path)"
         )
-    from transformers import AutoTokenizer  # lazy: only the tokenizer needs transformers
+    from dspark_jax.train.tokenizer import _transformers  # quiet import, lazy: tokenizer only
+
+    AutoTokenizer = _transformers().AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)

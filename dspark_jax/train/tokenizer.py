@@ -122,11 +122,27 @@ def _train(texts: list[str], cfg: TokenizerConfig) -> Any:
     return tok
 
 
+def _transformers():
+    """`import transformers` without its advisory "PyTorch was not found" line: we only use its
+    tokenizers, never its models. Only that import is quieted; later warnings are untouched."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        old = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+        try:
+            import transformers  # noqa: F401
+        finally:
+            if old is None:
+                del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+            else:
+                os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = old
+    return sys.modules["transformers"]
+
+
 def _save_hf(tok: Any, out_dir: Path, meta: dict[str, Any]) -> None:
     """Write the HF files into a temp dir, then move them into `out_dir`; the meta file last."""
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(
+    hf = _transformers().PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
@@ -195,9 +211,7 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
             "with dspark_jax.train.tokenizer.train_tokenizer (train.py --stages tokenizer) or "
             "point to a Hugging Face model directory"
         )
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tok = _transformers().AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if getattr(tok, "chat_template", None) is None:
         raise ValueError(
             f"the tokenizer in {path} has no chat template; add one to tokenizer_config.json "
