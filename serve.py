@@ -54,9 +54,9 @@ def main(argv=None) -> int:
     try:
         run = RunDir(args.run_dir)
         tok = run.tokenizer()
-        dec = run.decoder(args.drafter)
-        policy = _policy(args, run, dec)
         prompts = [encode_prompt(tok, p).tolist() for p in args.prompt]
+        dec = run.decoder_for(args.drafter, [len(p) for p in prompts], args.max_new_tokens)
+        policy = _policy(args, run, dec)
         t0 = time.perf_counter()
         res = dec.generate(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
