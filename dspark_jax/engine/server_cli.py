@@ -68,7 +68,9 @@ def run(args) -> int:
         return server_load.run_cli(args)
     from dspark_jax.run.cli import report, user_errors
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True
+    )
     try:
         server_load.check_local(f"http://{args.host}")  # refuse to bind beyond this machine
     except ValueError:
