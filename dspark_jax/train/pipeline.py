@@ -1,22 +1,12 @@
-"""The end-to-end pipeline behind `train.py`: corpus → tokenizer → target → regenerate →
-drafters → calibrate → evaluate.
-
-Each stage's cache key covers exactly what the stage reads: the configuration fields it uses
-(`_reads`, including other sections' fields, e.g. calibrate reads evaluate.temperature), the
-content hash of every input file, and the keys of the stages whose outputs it reads. A stage
-whose key matches its finished output is skipped. A changed key builds the stage again in
-`work/` and swaps it in when finished; the previous output is kept under `previous/` and comes
-back if its configuration does (`dspark_jax.run.store`). Long stages (target, regeneration,
-drafters) resume from inside their work folder after an interruption.
+"""The stages behind `train.py`: corpus → tokenizer → target → regenerate → drafters →
+calibrate → evaluate (one `_stage_<name>` method each). Caching, cache keys and the run
+directory's versions are `dspark_jax.run.staged.StagedRun`'s; loading is `RunDir`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import sys
-import time
 from pathlib import Path
 
 import jax
@@ -24,184 +14,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dspark_jax.config import ConfigError, TrainConfig
-from dspark_jax.pipeline_config import PipelineConfig, absolute_paths
-from dspark_jax.run.io import FileHasher, canonical_hash, write_json_atomic, write_text_atomic
-from dspark_jax.run.rundir import LENGTH_BUCKETS, RunDir
-from dspark_jax.run.store import StageStore
-from dspark_jax.run.validate import validate_config, validate_inputs
-
-STAGES = ("corpus", "tokenizer", "target", "regenerate", "drafters", "calibrate", "evaluate")
-_TOKENIZER_FILES = ("tokenizer*.json", "*.jinja", "special_tokens_map.json", "vocab*", "merges*")
-_CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
+from dspark_jax.run.io import write_json_atomic, write_text_atomic
+from dspark_jax.run.rundir import LENGTH_BUCKETS
+from dspark_jax.run.staged import STAGES, StagedRun
 
 
-def _get(cfg, dotted: str):
-    v = cfg
-    for part in dotted.split("."):
-        v = getattr(v, part)
-    return dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-
-
-class Pipeline:
-    def __init__(self, cfg: PipelineConfig, *, log=print):
-        validate_config(cfg)
-        cfg = absolute_paths(cfg)
-        self.cfg = cfg
-        self.run = Path(cfg.run_dir)
-        self.log = log
-        self.timings: dict[str, float] = {}
-        self.status: dict[str, str] = {}
-        self.rundir = RunDir(self.run, config=cfg)
-        self.store = StageStore(self.run, keep=cfg.keep_versions, log=log)
-        self.hasher = FileHasher(self.run / "file_hashes.json")
-        self._building: dict[str, Path] = {}  # stage -> its work folder while it runs
-        self._keys: dict[str, str] = {}
-        self.input_counts = validate_inputs(cfg)
-
-    # -- cache keys -------------------------------------------------------------------------
-
-    def _needs_corpus(self, stage: str) -> bool:
-        c = self.cfg
-        if stage == "tokenizer":
-            return not (c.tokenizer.path or c.target.path)
-        if stage == "target":
-            return not c.target.path and not c.data.conversation_files
-        if stage == "regenerate":
-            return not c.data.conversation_files
-        if stage == "evaluate":
-            return not c.data.eval_prompt_files
-        return False
-
-    def _reads(self, stage: str) -> tuple[tuple[str, ...], dict, tuple[str, ...]]:
-        """(config fields, {input: content hashes}, upstream stages) that `stage` reads."""
-        c, h = self.cfg, self.hasher
-        files: dict = {}
-        corpus = ("corpus",) if self._needs_corpus(stage) else ()
-        convs = {Path(f).name: h.file(f) for f in c.data.conversation_files}
-        if stage == "corpus":
-            files["python"] = list(sys.version_info[:2])  # the corpus reads the stdlib
-            files["needed"] = self._corpus_needed()
-            return ("data.corpus",), files, ()
-        if stage == "tokenizer":
-            tok_dir = c.tokenizer.path or c.target.path
-            if tok_dir:
-                files["tokenizer"] = h.tree(tok_dir, _TOKENIZER_FILES)
-                return (), files, ()
-            return ("tokenizer.vocab_size",), files, corpus
-        if stage == "target":
-            if c.target.path:
-                files["checkpoint"] = h.tree(c.target.path, _CHECKPOINT_FILES)
-                return ("target.target_layer_ids",), files, ()
-            files["conversations"] = convs
-            fields = tuple(
-                f"target.{k}" for k in ("model", "steps", "batch_size", "seq_len", "lr",
-                                        "warmup_frac", "seed")
-            )  # fmt: skip
-            return fields, files, ("tokenizer", *corpus)
-        if stage == "regenerate":
-            files["conversations"] = convs
-            return ("regenerate", "calibrate.max_prompts"), files, ("tokenizer", "target", *corpus)
-        if stage == "drafters":
-            return (
-                ("drafters", "calibrate.max_prompts"),
-                files,
-                ("tokenizer", "target", "regenerate"),
-            )
-        if stage == "calibrate":
-            fields = (
-                "calibrate",
-                "evaluate.temperature",
-                "evaluate.batch_size",
-                "evaluate.max_len",
-            )
-            return fields, files, ("tokenizer", "target", "regenerate", "drafters")
-        if stage == "evaluate":
-            files["prompts"] = {Path(f).name: h.file(f) for f in c.data.eval_prompt_files}
-            up = ("tokenizer", "target", "drafters", "calibrate", *corpus)
-            return ("name", "evaluate"), files, up
-        raise ConfigError(f"unknown stage {stage!r} — stages: {', '.join(STAGES)}")
-
-    def inputs(self, stage: str) -> dict:
-        fields, files, upstream = self._reads(stage)
-        return {
-            "fields": {f: _get(self.cfg, f) for f in fields},
-            "files": files,
-            "upstream": {u: self.key(u) for u in upstream},
-        }
-
-    def key(self, stage: str) -> str:
-        if stage not in self._keys:
-            self._keys[stage] = canonical_hash({"stage": stage, **self.inputs(stage)})
-        return self._keys[stage]
-
-    def _what_changed(self, stage: str) -> str:
-        old = (self.store.done_info(stage) or {}).get("inputs")
-        if not isinstance(old, dict):
-            return ""
-        new = self.inputs(stage)
-        changed = []
-        for part in ("fields", "files", "upstream"):
-            a, b = old.get(part, {}), new[part]
-            for k in sorted(set(a) | set(b)):
-                if a.get(k) != b.get(k):
-                    changed.append(k if part != "upstream" else f"{k} output")
-        return ", ".join(changed)
-
-    # -- bookkeeping ------------------------------------------------------------------------
-
-    def stage_dir(self, stage: str) -> Path:
-        """Where `stage`'s output is: its work folder while it runs, else the current output."""
-        return self._building.get(stage) or self.store.current(stage)
-
-    def is_done(self, stage: str) -> bool:
-        return self.store.is_done(stage, self.key(stage))
-
-    def done_info(self, stage: str) -> dict:
-        return self.store.done_info(stage) or {}
-
-    def run_stages(self, stages=STAGES, *, force=()):
-        unknown = [s for s in (*stages, *force) if s not in STAGES]
-        if unknown:
-            raise ConfigError(f"unknown stage(s) {unknown} — stages: {', '.join(STAGES)}")
-        # a stage that is not run here must already be there for the stages that read it
-        needed = {u for t in stages for u in self._reads(t)[2]} - set(stages)
-        missing = [s for s in STAGES if s in needed and not self.store.recover(s, self.key(s))]
-        if missing:
-            raise ConfigError(
-                f"stage(s) {', '.join(missing)} have no output for this configuration — run "
-                f"them first (--stages {','.join(missing)},...) or drop --stages"
-            )
-        self.run.mkdir(parents=True, exist_ok=True)
-        self.hasher.save()
-        for s in STAGES:
-            if s not in stages:
-                continue
-            key = self.key(s)
-            if s not in force and self.store.recover(s, key):
-                self.status[s] = "cached"
-                self.log(f"[{s}] cached ({self.store.current(s)})")
-                self._write_config()
-                continue
-            changed = self._what_changed(s)
-            self.log(f"[{s}] running" + (f" (changed: {changed})" if changed else ""))
-            self._building[s] = self.store.begin(s, key, force=s in force)
-            t0 = time.perf_counter()
-            try:
-                info = getattr(self, f"_stage_{s}")()
-            finally:
-                self._building.pop(s)
-            self.timings[s] = time.perf_counter() - t0
-            info = {"seconds": self.timings[s], "inputs": self.inputs(s), **(info or {})}
-            self.store.commit(s, key, info, force=s in force)
-            self.rundir.forget()
-            self._write_config()
-            self.status[s] = "ran"
-            self.log(f"[{s}] done in {self.timings[s]:.1f}s")
-        return self.status
-
-    def _write_config(self):
-        """config.json describes the run directory's outputs: written after a stage finished."""
-        write_json_atomic(self.run / "config.json", self.cfg.to_json())
+class Pipeline(StagedRun):
+    """The seven stages; `run_stages` (StagedRun) runs them with caching."""
 
     # -- shared loaders (the run directory's, see dspark_jax.run.rundir) -----------------------
 
@@ -611,4 +430,4 @@ def stage_summary(p: Pipeline) -> str:
     return ", ".join(rows)
 
 
-__all__ = ["STAGES", "Pipeline", "stage_summary", "dataclasses"]
+__all__ = ["STAGES", "Pipeline", "stage_summary"]
