@@ -69,6 +69,26 @@ def test_micro_pipeline_end_to_end_and_resume(tmp_path):
          "--stages", "corpus,tokenizer,target,regenerate,drafters"]
     )  # fmt: skip
     assert "target: cached" in out3 and "regenerate: cached" in out3 and "drafters: ran" in out3
+    assert len(list((run_dir / "previous").glob("drafters.*"))) == 1  # kept, not deleted
+    # new evaluation prompts (one set too long for the context): only evaluate runs, on the
+    # restored drafters of this configuration; the report counts what did not fit
+    short = tmp_path / "mine.jsonl"
+    short.write_text(
+        json.dumps({"turns": ["What is 3 plus 4?"]}) + "\n"
+        + json.dumps({"turns": ["word " * 3000]}) + "\n"
+    )  # fmt: skip
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text(json.dumps({"turns": ["word " * 3000]}) + "\n")
+    out4 = _run(
+        ["--config", "configs/micro.py", "--run-dir", str(run_dir), "--stages", "evaluate",
+         "--set", f"data.eval_prompt_files={short},{huge}"]
+    )  # fmt: skip
+    assert "restored the output of this configuration" in out4 and "evaluate: ran" in out4
+    rep = json.loads((run_dir / "evaluate" / "report.json").read_text())
+    assert rep["datasets"]["mine"]["prompts"] == 1 and rep["datasets"]["mine"]["too_long"] == 1
+    assert rep["datasets_not_evaluated"]["huge"]["too_long"] == 1
+    assert "nothing fits" in (run_dir / "evaluate" / "report.md").read_text()
+    assert list((run_dir / "previous").glob("evaluate.*"))  # the first report is kept
 
 
 def test_unknown_override_keys_are_errors():

@@ -171,10 +171,12 @@ class StagedRun:
             if s not in stages:
                 continue
             key = self.key(s)
+            was_current = self.store.is_done(s, key)
             if s not in force and self.store.recover(s, key):
                 self.status[s] = "cached"
                 self.log(f"[{s}] cached ({self.store.current(s)})")
-                self._write_config()
+                if not was_current:  # restored from previous/: the outputs changed
+                    self._write_config()
                 continue
             changed = self._what_changed(s)
             self.log(f"[{s}] running" + (f" (changed: {changed})" if changed else ""))
@@ -191,8 +193,10 @@ class StagedRun:
             self._write_config()
             self.status[s] = "ran"
             self.log(f"[{s}] done in {self.timings[s]:.1f}s")
+        self._write_config()
         return self.status
 
     def _write_config(self):
-        """config.json describes the run directory's outputs: written after a stage finished."""
+        """config.json describes the run directory's outputs: written when a stage's output
+        changed (ran or restored) and when the run finished, never before a stage fails."""
         write_json_atomic(self.run / "config.json", self.cfg.to_json())
