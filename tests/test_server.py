@@ -28,7 +28,7 @@ def _engine(tcfg, tp, **kw):
     dcfg = tiny_drafter_config("dspark", tcfg, mask_token_id=3)
     dp = drafters.init_params(dcfg, target_params=tp)
     opts = dict(num_slots=4, max_len=MAX_LEN, policy="fixed", prompt_buckets=(32,),
-                token_buckets=(8, 20), max_queue=16)  # fmt: skip
+                token_buckets=(20,), max_queue=16)  # fmt: skip
     return ServingEngine(tcfg, dcfg, tp, dp, **(opts | kw))
 
 

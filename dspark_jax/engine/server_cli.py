@@ -128,7 +128,7 @@ def _load(args):
     )
 
 
-def _cost_profile(args, run_cost, run_where, n_params: int):
+def _cost_profile(args, run_cost, run_where, n_params: int, policy: str):
     from dspark_jax.sched.cost import CostProfile
 
     if args.cost_profile:
@@ -140,7 +140,7 @@ def _cost_profile(args, run_cost, run_where, n_params: int):
     shipped = [f for f in SHIPPED_PROFILES if f.is_file()]
     if not shipped:
         raise ValueError(
-            f"policy {args.policy} needs a cost profile and there is none"
+            f"policy {policy} needs a cost profile and there is none"
             + (f" in the run ({run_where})" if run_where else "")
             + " — pass --cost-profile FILE (benchmarks/decode_cost.py writes one) or --policy fixed"
         )
@@ -158,44 +158,50 @@ def _cost_profile(args, run_cost, run_where, n_params: int):
     return CostProfile.load(best)
 
 
-def build_app(args):
-    """Load the model, build and warm up the engine, return the FastAPI app."""
+def build_engine(args):
+    """Load the model and build the engine (not warmed up); returns
+    `(engine, tokenizer, stop_ids, model_name)`. The start-up log says which policy, cost
+    profile and calibration the server runs with, and where each came from."""
     import jax
 
-    from dspark_jax.engine.server import create_app
     from dspark_jax.engine.serving import ServingEngine
 
     t0 = time.perf_counter()
     tok, stop_ids, tcfg, tparams, dcfg, dparams, sts, run_cost, where, name = _load(args)
     has_conf = dcfg.kind == "dspark" and bool(getattr(dcfg, "confidence_head", True))
-    if args.policy is None:
-        args.policy = "alg1" if has_conf else "fixed"
-        if not has_conf:
-            log.info("drafter %s has no confidences: policy fixed γ=%d", dcfg.kind, dcfg.block_size)
-    if args.policy in ("alg1", "async"):
+    policy = args.policy or ("alg1" if has_conf else "fixed")
+    if args.policy is None and not has_conf:
+        log.info("drafter %s has no confidences: policy fixed γ=%d", dcfg.kind, dcfg.block_size)
+    cost = None
+    if policy in ("alg1", "async"):
         n_params = sum(x.size for x in jax.tree.leaves(tparams))
-        cost = _cost_profile(args, run_cost, where, n_params)
-    else:
-        cost = None
-    if args.policy in ("alg1", "async", "threshold") and sts is None:
+        cost = _cost_profile(args, run_cost, where, n_params, policy)
+    if policy in ("alg1", "async", "threshold") and sts is None:
         log.warning("no STS calibration for this drafter: confidences are used uncalibrated")
     max_len = min(args.max_len, tcfg.max_position_embeddings)
     if max_len < args.max_len:
         log.warning("--max-len %d capped to the target's %d positions", args.max_len, max_len)
     engine = ServingEngine(
         tcfg, dcfg, tparams, dparams, num_slots=args.num_slots, max_len=max_len,
-        policy=args.policy, gamma=args.gamma, threshold=args.threshold, cost_profile=cost,
+        policy=policy, gamma=args.gamma, threshold=args.threshold, cost_profile=cost,
         sts=sts, max_queue=args.max_queue, root_seed=args.seed,
     )  # fmt: skip
-    log.info("loaded %s (drafter %s, γ=%d, policy %s) in %.1f s; compiling...",
-             name, dcfg.kind, dcfg.block_size, args.policy, time.perf_counter() - t0)  # fmt: skip
-    t1 = time.perf_counter()
+    log.info("loaded %s (drafter %s, γ=%d, policy %s) in %.1f s",
+             name, dcfg.kind, dcfg.block_size, policy, time.perf_counter() - t0)  # fmt: skip
+    return engine, tok, stop_ids, args.model_name or name
+
+
+def build_app(args):
+    """`build_engine`, warm-up (every bucket compiled before the port opens), the app."""
+    from dspark_jax.engine.server import create_app
+
+    engine, tok, stop_ids, name = build_engine(args)
+    t0 = time.perf_counter()
     engine.warmup()
     log.info("warm-up: %d compilations in %.1f s (slots %d, max_len %d, token buckets %s)",
-             engine.compilations, time.perf_counter() - t1, args.num_slots, max_len,
+             engine.compilations, time.perf_counter() - t0, engine.num_slots, engine.max_len,
              engine.token_buckets)  # fmt: skip
-    return create_app(engine, tok, args.model_name or name, stop_ids=stop_ids,
-                      drain_timeout_s=args.drain_timeout)  # fmt: skip
+    return create_app(engine, tok, name, stop_ids=stop_ids, drain_timeout_s=args.drain_timeout)
 
 
 def main(argv=None) -> int:
