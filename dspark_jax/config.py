@@ -391,6 +391,7 @@ class DrafterConfig:
 
 
 FEATURE_MODES = ("online", "offline")
+MEMORY_CHECKS = ("auto", "estimate", "compiled", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,8 +408,16 @@ class TrainConfig:
     `micro_batch_size` (over all devices); the gradient is the equal-weight mean of the
     micro-batch losses' gradients, accumulated in fp32 (REFERENCE §4.3). Sequences are right-padded
     to the smallest of `seq_buckets` that fits the micro-batch; one compilation per bucket.
-    `compute_dtype` is the dtype the drafter and the target run in ("bfloat16" or "float32");
-    master weights, gradients and Adam state stay fp32.
+    `compute_dtype` is the dtype the drafter runs in ("bfloat16", "float32", or "auto": bfloat16
+    on GPU/TPU, float32 on CPU); master weights, gradient accumulators and Adam state stay fp32.
+    `target_dtype` is the frozen target's storage/compute dtype ("auto" = the compute dtype).
+    `anchor_chunk` (DSpark/DFlash) overrides the drafter config's: anchors per rematerialized
+    chunk, the bound on the [anchors x γ, vocab] logits (0 = all at once, -1 = keep the
+    drafter's). Memory plan (`train.memory`): before the first step the trainer prints per-device
+    bytes (params, optimizer, activations, logits) and refuses a plan over 90% of the devices'
+    memory (`device_memory_gib`, 0 = ask the devices; CPU reports none). `memory_check`: "auto"
+    (estimate, plus XLA's compiled memory analysis on accelerators), "estimate", "compiled"
+    (also on CPU) or "off".
 
     `feature_mode`: "online" runs the frozen target inside the train step; "offline" reads a
     feature cache (`train.features`). `empty_sequences`: "skip" leaves sequences without a
@@ -431,7 +440,11 @@ class TrainConfig:
     seq_buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
     data_seed: int = 42
     seed: int = 42
-    compute_dtype: str = "bfloat16"
+    compute_dtype: str = "auto"
+    target_dtype: str = "auto"
+    anchor_chunk: int = -1
+    memory_check: str = "auto"
+    device_memory_gib: float = 0.0
     feature_mode: str = "online"
     empty_sequences: str = "skip"
     eval_interval: int = 500
@@ -455,14 +468,26 @@ class TrainConfig:
         "async_checkpoint",
         "log_interval",
         "progress_bar",
+        "memory_check",
+        "device_memory_gib",
     )
 
     def __post_init__(self):
         if not isinstance(self.seq_buckets, tuple):
             object.__setattr__(self, "seq_buckets", tuple(self.seq_buckets))
-        if self.compute_dtype not in ("float32", "bfloat16"):
+        for name in ("compute_dtype", "target_dtype"):
+            if getattr(self, name) not in ("auto", "float32", "bfloat16"):
+                raise ConfigError(
+                    f"{name} must be 'auto', 'float32' or 'bfloat16', got {getattr(self, name)!r}"
+                )
+        if self.memory_check not in MEMORY_CHECKS:
             raise ConfigError(
-                f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}"
+                f"memory_check must be one of {MEMORY_CHECKS}, got {self.memory_check!r}"
+            )
+        if self.anchor_chunk < -1 or self.device_memory_gib < 0:
+            raise ConfigError(
+                f"anchor_chunk={self.anchor_chunk} must be >= -1 (-1 = the drafter's) and "
+                f"device_memory_gib={self.device_memory_gib} >= 0 (0 = ask the devices)"
             )
         if self.feature_mode not in FEATURE_MODES:
             raise ConfigError(

@@ -90,6 +90,32 @@ def test_loader_skips_or_refuses_sequences_without_supervision():
         )
 
 
+def test_loader_per_process_shards():
+    """P = 2 data shards: contiguous halves of the usable rows, rows [0, B/2) of every
+    micro-batch from shard 0 and [B/2, B) from shard 1, epochs over whole per-shard steps."""
+    samples = make_samples(23, 256, empty_every=6)  # rows 5, 11, 17 unsupervised: 20 usable
+    dl = DataLoader(
+        InMemorySource(samples), global_batch=8, micro_batch=4, buckets=(32,), num_shards=2
+    )
+    s0, s1 = dl.shard_rows(0), dl.shard_rows(1)
+    assert len(s0) == len(s1) == 10 and not set(s0) & set(s1) and s0.max() < s1.min()
+    assert dl.samples_per_epoch == 8 and dl.steps_per_epoch == 2  # 4 per step from each shard
+    seen = {0: [], 1: []}
+    for step in range(4):  # two epochs
+        for mb in dl.micro_batches(step * 8):
+            assert set(mb.indices[:2]) <= set(s0) and set(mb.indices[2:]) <= set(s1)
+            seen[0] += mb.indices[:2].tolist()
+            seen[1] += mb.indices[2:].tolist()
+    assert len(set(seen[0][:8])) == 8 and seen[0][:8] != seen[0][8:]  # fresh epoch order
+    again = DataLoader(
+        InMemorySource(samples), global_batch=8, micro_batch=4, buckets=(32,), num_shards=2
+    )
+    np.testing.assert_array_equal(again.micro_batches(24)[1].indices, mb.indices)  # resumable
+    with pytest.raises(ConfigError, match="multiple of the number of data shards"):
+        DataLoader(InMemorySource(samples), global_batch=6, micro_batch=3, buckets=(32,),
+                   num_shards=2)  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------------
 # Training runs (toy drafter, tiny target, online features, one device)
 

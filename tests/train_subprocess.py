@@ -5,9 +5,11 @@ python tests/train_subprocess.py kill RUN_DIR HANG_AT
     wait for the pending checkpoint, print "HANG" and sleep until killed.
 
 python tests/train_subprocess.py distributed OUT_JSON PORT PROCESS_ID SHARED_DIR
-    One of two processes (2 CPU devices each) joined by jax.distributed over loopback:
+    One of two processes (2 CPU devices each) joined by jax.distributed over loopback, training
+    the real DSpark drafter (tiny config) on a (data=2, fsdp=2) mesh with per-process data shards:
     trains 3 steps and checkpoints (run A), resumes A in a new Trainer for 2 more steps, and
-    trains 5 steps uninterrupted (run C); writes the per-step losses as JSON.
+    trains 5 steps uninterrupted (run C); writes the per-step losses, the source rows this process
+    read and the rows of its data shard as JSON.
 """
 
 from __future__ import annotations
@@ -47,6 +49,48 @@ def kill_mode(run_dir: str, hang_at: int) -> None:
     t.run()
 
 
+class RecordingSource:
+    """A training source that records which rows were read (to check per-process shards)."""
+
+    def __init__(self, samples):
+        from dspark_jax.train.loader import InMemorySource
+
+        self.inner = InMemorySource(samples)
+        self.lengths, self.num_loss_tokens = self.inner.lengths, self.inner.num_loss_tokens
+        self.read: set[int] = set()
+
+    def __len__(self):
+        return len(self.inner)
+
+    def get(self, i):
+        self.read.add(int(i))
+        return self.inner.get(i)
+
+
+def tiny_drafter(kind: str, tcfg):
+    """Tiny real drafter configs (1 layer, γ = 3) for the tiny target (vocab 256)."""
+    from dspark_jax.config import DrafterConfig
+
+    if kind == "eagle3":
+        return DrafterConfig.eagle3(tcfg, block_size=3)
+    small = dict(num_layers=1, block_size=3, num_anchors=8, mask_token_id=255)
+    if kind == "dflash":
+        return DrafterConfig.dflash(tcfg, **small)
+    return DrafterConfig.dspark(tcfg, **small, markov_rank=16)
+
+
+def drafter_trainer(kind, run_dir, cfg, mesh, train_data):
+    """Trainer.for_drafter over the tiny target (online features)."""
+    from toy_train import tiny_target
+
+    from dspark_jax.train.trainer import Trainer
+
+    tcfg, tparams = tiny_target()
+    return Trainer.for_drafter(
+        cfg, tiny_drafter(kind, tcfg), tparams, train_data=train_data, run_dir=run_dir, mesh=mesh
+    )
+
+
 def distributed_mode(out_json: str, port: int, process_id: int, shared: str) -> None:
     import jax
 
@@ -56,30 +100,34 @@ def distributed_mode(out_json: str, port: int, process_id: int, shared: str) -> 
         process_id=process_id,
         initialization_timeout=120,
     )
-    from toy_train import base_config, toy_trainer
+    from toy_train import base_config, make_samples
 
     from dspark_jax import parallel
     from dspark_jax.config import MeshConfig
 
     assert jax.device_count() == 4 and jax.local_device_count() == 2
     mesh = parallel.make_mesh(MeshConfig(data=2, fsdp=2))
-    cfg = base_config(global_batch_size=8, micro_batch_size=4, total_steps=5)
-    a = toy_trainer(os.path.join(shared, "a"), cfg, mesh=mesh)
-    ra = a.run(max_steps=3)
-    a.close()
-    b = toy_trainer(os.path.join(shared, "a"), cfg, mesh=mesh)
-    resumed = b.resumed_from
-    rb = b.run()
-    b.close()
-    c = toy_trainer(os.path.join(shared, "c"), cfg, mesh=mesh)
-    rc = c.run(save_at_end=False)
-    c.close()
+    cfg = base_config(global_batch_size=8, micro_batch_size=4, total_steps=5, learning_rate=3e-3)
+    data = RecordingSource(make_samples(24, 256))
+
+    def run(name, **kw):
+        t = drafter_trainer("dspark", os.path.join(shared, name), cfg, mesh, data)
+        resumed, res = t.resumed_from, t.run(**kw)
+        t.close()
+        return t, resumed, [h["loss"] for h in res.history]
+
+    a, _, la = run("a", max_steps=3)
+    _, resumed, lb = run("a")
+    _, _, lc = run("c", save_at_end=False)
     out = {
         "process": process_id,
-        "a": [h["loss"] for h in ra.history],
-        "b": [h["loss"] for h in rb.history],
-        "c": [h["loss"] for h in rc.history],
+        "a": la,
+        "b": lb,
+        "c": lc,
         "resumed_from": resumed,
+        "num_shards": a.loader.num_shards,
+        "read": sorted(data.read),
+        "shard": a.loader.shard_rows(process_id).tolist(),
     }
     with open(out_json, "w") as f:
         json.dump(out, f)

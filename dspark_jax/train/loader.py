@@ -8,7 +8,15 @@ integer, the stream `position` (sequences consumed so far), which the trainer ch
 position can be re-derived, so resuming is exact and needs no iterator state.
 
 One optimizer step consumes `G` consecutive stream entries as `G / B` micro-batches of `B`
-sequences (B = global micro-batch, over all devices and processes). A micro-batch is right-padded
+sequences (B = global micro-batch, over all devices and processes).
+
+Multi-process runs (`num_shards` = P > 1, one shard per process): the usable rows are cut into P
+contiguous shards and shard k has its own stream (epoch e: permutation seeded (data_seed + e, k),
+`samples_per_epoch` = whole per-process steps of the smallest shard). Rows [k·B/P, (k+1)·B/P)
+of every micro-batch, the rows process k's devices hold, come from shard k, so a process reads
+only the samples (and feature-cache chunks) of its own shard. Every process still computes the
+whole index array from the lengths alone, so bucket lengths agree everywhere. The order depends
+on P; resume with the same number of processes. A micro-batch is right-padded
 to the smallest configured bucket that fits its longest sequence, so the number of distinct
 shapes the train step sees is at most the number of buckets.
 
@@ -150,11 +158,18 @@ class DataLoader:
         buckets: Sequence[int],
         data_seed: int = 42,
         empty_sequences: str = "skip",
+        num_shards: int = 1,
     ):
         if global_batch % micro_batch:
             raise ConfigError(
                 f"global_batch={global_batch} must be a multiple of micro_batch={micro_batch}"
             )
+        if num_shards < 1 or micro_batch % num_shards:
+            raise ConfigError(
+                f"micro_batch={micro_batch} must be a multiple of the number of data shards "
+                f"(processes) {num_shards}"
+            )
+        self.num_shards = num_shards
         self.source = source
         self.global_batch = global_batch
         self.micro_batch = micro_batch
@@ -177,37 +192,61 @@ class DataLoader:
         self.num_skipped = int(len(empty))
         self.usable = np.setdiff1d(np.arange(n), empty)  # sorted source rows
         _check_lengths(source, self.buckets, "training set")
-        self.samples_per_epoch = (len(self.usable) // global_batch) * global_batch
+        p = num_shards
+        cuts = [len(self.usable) * k // p for k in range(p + 1)]
+        self.shards = [self.usable[cuts[k] : cuts[k + 1]] for k in range(p)]
+        g_local = global_batch // p
+        self.samples_per_epoch = min(len(x) for x in self.shards) // g_local * g_local
         if self.samples_per_epoch == 0:
             raise DatasetError(
                 f"the training set has {len(self.usable)} usable sequence(s), fewer than one "
-                f"global batch of {global_batch}; lower TrainConfig.global_batch_size or add data"
+                f"global batch of {global_batch}"
+                + (f" ({g_local} per each of {p} data shards)" if p > 1 else "")
+                + "; lower TrainConfig.global_batch_size or add data"
             )
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.samples_per_epoch // self.global_batch
+        return self.samples_per_epoch * self.num_shards // self.global_batch
+
+    def shard_rows(self, shard: int) -> np.ndarray:
+        """The source rows data shard `shard` (process `shard`) may ever read."""
+        return self.shards[shard]
 
     @property
     def accum_steps(self) -> int:
         return self.global_batch // self.micro_batch
 
-    @functools.lru_cache(maxsize=4)  # noqa: B019 (a loader lives as long as its run)
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        perm = np.random.default_rng(self.data_seed + epoch).permutation(len(self.usable))
-        return self.usable[perm[: self.samples_per_epoch]]
+    @functools.lru_cache(maxsize=8)  # noqa: B019 (a loader lives as long as its run)
+    def _epoch_order(self, epoch: int, shard: int = 0) -> np.ndarray:
+        rows = self.shards[shard]
+        seed = self.data_seed + epoch if self.num_shards == 1 else (self.data_seed + epoch, shard)
+        perm = np.random.default_rng(seed).permutation(len(rows))
+        return rows[perm[: self.samples_per_epoch]]
 
-    def stream(self, position: int, count: int) -> np.ndarray:
-        """Source rows at stream positions [position, position + count) (crossing epochs)."""
+    def stream(self, position: int, count: int, shard: int = 0) -> np.ndarray:
+        """Source rows at positions [position, position + count) of a shard's stream."""
         out = np.empty((count,), dtype=np.int64)
         for j in range(count):
             epoch, k = divmod(position + j, self.samples_per_epoch)
-            out[j] = self._epoch_order(epoch)[k]
+            out[j] = self._epoch_order(epoch, shard)[k]
         return out
 
     def micro_batches(self, position: int) -> list[MicroBatch]:
-        """The `accum_steps` micro-batches of the optimizer step starting at `position`."""
-        rows = self.stream(position, self.global_batch)
+        """The `accum_steps` micro-batches of the optimizer step starting at (global stream)
+        `position`; with P shards, rows [k·B/P, (k+1)·B/P) of each come from shard k."""
+        p = self.num_shards
+        if p == 1:
+            rows = self.stream(position, self.global_batch)
+        else:
+            b_local, g_local = self.micro_batch // p, self.global_batch // p
+            per = [self.stream(position // p, g_local, k) for k in range(p)]
+            rows = np.concatenate(
+                [
+                    np.concatenate([x[a * b_local : (a + 1) * b_local] for x in per])
+                    for a in range(self.accum_steps)
+                ]
+            )
         out = []
         for a in range(self.accum_steps):
             idx = rows[a * self.micro_batch : (a + 1) * self.micro_batch]

@@ -53,6 +53,7 @@ from flax import nnx
 from dspark_jax import parallel
 from dspark_jax.config import ConfigError, DrafterConfig, MeshConfig, TargetConfig, TrainConfig
 from dspark_jax.train import loader as loader_lib
+from dspark_jax.train import memory as memory_lib
 from dspark_jax.train.checkpoint import Checkpointer, CheckpointError, abstract_like
 from dspark_jax.train.data import atomic_write
 from dspark_jax.train.features import FeatureCacheReader, target_features
@@ -405,6 +406,32 @@ def _shardings(tree, mesh):
     return jax.tree.map(lambda _: parallel.replicated(mesh), tree)
 
 
+def data_shards(mesh, micro_batch: int) -> int:
+    """Data shards of a run: one per process when process k's devices hold exactly rows
+    [k·B/P, (k+1)·B/P) of every micro-batch (the usual layout: processes along data / fsdp),
+    so each process reads only its own shard; else 1 (every process draws from all the data,
+    still reading only the rows its devices hold)."""
+    p = jax.process_count()
+    if p == 1:
+        return 1
+    if micro_batch % p == 0:
+        blk = micro_batch // p
+        sharding = parallel.batch_sharding(mesh, (micro_batch, 1))
+        ok = True
+        for dev, idx in sharding.devices_indices_map((micro_batch, 1)).items():
+            lo, hi, _ = idx[0].indices(micro_batch)
+            k = dev.process_index
+            ok &= k * blk <= lo and hi <= (k + 1) * blk
+        if ok:
+            return p
+    log.warning(
+        "the mesh does not give each of the %d processes its own block of batch rows (tensor "
+        "axis across processes?): every process draws from the whole dataset",
+        p,
+    )
+    return 1
+
+
 class Trainer:
     """Trains `trainable` under `loss_fn` with the frozen parts (`frozen`, the target) held fixed.
 
@@ -436,6 +463,7 @@ class Trainer:
         resume: bool = True,
         sidecar: dict[str, Any] | None = None,
     ):
+        cfg = memory_lib.resolve_dtypes(cfg)  # "auto" dtypes: bf16 on accelerators, f32 on CPU
         self.cfg = cfg
         self.drafter_cfg = drafter_cfg
         self.target_cfg = target_cfg
@@ -458,6 +486,7 @@ class Trainer:
             target_params = None
         if drafter_cfg is not None and target_cfg is not None:
             check_compatible(target_cfg, drafter_cfg, target_params=target_params, frozen=frozen)
+        self.mesh = mesh if mesh is not None else parallel.make_mesh(MeshConfig())
         self.train_source = loader_lib.as_source(train_data)
         self.loader = loader_lib.DataLoader(
             self.train_source,
@@ -466,6 +495,7 @@ class Trainer:
             buckets=cfg.seq_buckets,
             data_seed=cfg.data_seed,
             empty_sequences=cfg.empty_sequences,
+            num_shards=data_shards(self.mesh, cfg.micro_batch_size),
         )
         self.eval_source = None if eval_data is None else loader_lib.as_source(eval_data)
         self.eval_plan = []
@@ -482,7 +512,6 @@ class Trainer:
                     "held-out data or eval_data=None"
                 )
         self.total_steps = cfg.total_steps or cfg.num_epochs * self.loader.steps_per_epoch
-        self.mesh = mesh if mesh is not None else parallel.make_mesh(MeshConfig())
         shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         for name, b in (
             ("micro_batch_size", cfg.micro_batch_size),
@@ -518,18 +547,37 @@ class Trainer:
                 f"{ckpt_dir} already holds checkpoints and resume=False; use a new run_dir (or "
                 "resume=True to continue that run)"
             )
-        # ---- state
+        # ---- memory plan: printed, and refused when it cannot fit, before anything is placed
         self.is_main = jax.process_index() == 0
         cdt = self.spec.compute_dtype
+        tdt = jnp.bfloat16 if cfg.target_dtype == "bfloat16" else jnp.float32
         repl = parallel.replicated(self.mesh)
         param_sh = _shardings(trainable, self.mesh)
+        frozen_sh = _shardings(frozen, self.mesh)
+        target_sh = None if target_params is None else _shardings(target_params, self.mesh)
+        self.memory_plan = memory_lib.plan_memory(
+            cfg,
+            self.mesh,
+            trainable=trainable,
+            trainable_shardings=param_sh,
+            frozen=frozen,
+            frozen_shardings=frozen_sh,
+            target_params=target_params,
+            target_shardings=target_sh,
+            target_cfg=target_cfg,
+            drafter_cfg=drafter_cfg,
+        )
+        self.compiled_memory: dict[str, int] | None = None
+        if cfg.memory_check != "off":
+            if self.is_main:
+                print(self.memory_plan.summary(), flush=True)
+            memory_lib.check_fits(cfg, self.memory_plan, self.mesh, target_cfg, drafter_cfg)
+        # ---- state
         self.trainable = jax.device_put(_cast_floats(trainable, jnp.float32), param_sh)
-        self.frozen = jax.device_put(_cast_floats(frozen, cdt), _shardings(frozen, self.mesh))
+        self.frozen = jax.device_put(_cast_floats(frozen, cdt), frozen_sh)
         self.target_params = None
         if target_params is not None:
-            self.target_params = jax.device_put(
-                _cast_floats(target_params, cdt), _shardings(target_params, self.mesh)
-            )
+            self.target_params = jax.device_put(_cast_floats(target_params, tdt), target_sh)
         tx = make_optimizer(cfg, self.total_steps)
         # Adam moments live where their parameters live; counters are replicated.
         opt_sh = optax.tree_utils.tree_map_params(
@@ -568,6 +616,9 @@ class Trainer:
         )
         if resume:
             self._restore()
+        check = cfg.memory_check
+        if check == "compiled" or (check == "auto" and jax.default_backend() != "cpu"):
+            self._check_compiled_memory()
         if self.is_main:
             with atomic_write(self.run_dir / "config.json") as f:
                 json.dump(self.sidecar, f, indent=1, default=str)
@@ -595,6 +646,8 @@ class Trainer:
         from dspark_jax.drafters import init_params
         from dspark_jax.train import losses
 
+        if cfg.anchor_chunk >= 0 and drafter_cfg.kind != "eagle3":
+            drafter_cfg = drafter_cfg.replace(anchor_chunk=cfg.anchor_chunk)
         check_compatible(drafter_cfg.target, drafter_cfg, target_params=target_params)
         params = init_params(drafter_cfg, seed=seed, target_params=target_params)
         return cls(
@@ -679,28 +732,72 @@ class Trainer:
         with atomic_write(path) as f:
             f.write("".join(x + "\n" for x in keep))
 
+    def _check_compiled_memory(self) -> None:
+        """Compile the micro-step for the largest bucket ahead of time and compare XLA's
+        per-device memory analysis with the plan; refuse when XLA's total exceeds the limit."""
+        proto = self.train_source.get(int(self.loader.usable[0]))
+        shape = (self.cfg.micro_batch_size, max(self.cfg.seq_buckets))
+        batch = {}
+        for name, v in dict(proto, attention_mask=np.zeros((1,), np.uint8)).items():
+            full = shape + tuple(np.shape(v)[1:])
+            sh = parallel.batch_sharding(self.mesh, full)
+            batch[name] = jax.ShapeDtypeStruct(full, np.asarray(v).dtype, sharding=sh)
+        grad_acc, metric_acc = self._init_accumulators(batch)
+        lowered = self._micro.lower(
+            self.spec,
+            self.trainable,
+            self.frozen,
+            self.target_params,
+            grad_acc,
+            metric_acc,
+            batch,
+            self.base_key,
+            np.int32(0),
+            np.int32(0),
+        )
+        got = memory_lib.compiled_bytes(lowered.compile())
+        self.compiled_memory = got
+        if got is None:
+            return
+        plan = self.memory_plan
+        if self.is_main:
+            print(
+                f"XLA memory analysis of the micro-step per device: arguments "
+                f"{got['argument'] / memory_lib.GIB:.2f} GiB, temporaries "
+                f"{got['temp'] / memory_lib.GIB:.2f} GiB (plan: activations + logits "
+                f"{(plan.activations + plan.logits) / memory_lib.GIB:.2f} GiB)",
+                flush=True,
+            )
+        if plan.limit is not None and got["total"] > memory_lib.HEADROOM * plan.limit:
+            compiled_plan = dataclasses.replace(
+                plan, activations=got["temp"], logits=0, params=got["argument"], optimizer=0
+            )
+            memory_lib.check_fits(
+                self.cfg, compiled_plan, self.mesh, self.target_cfg, self.drafter_cfg
+            )
+
     # -- data --------------------------------------------------------------------------------------
 
     def _device_batch(self, source, mb: loader_lib.MicroBatch) -> dict[str, jax.Array]:
         """Global [B, L, ...] arrays; each process reads only the rows of its own devices."""
-        proto = source.get(int(mb.indices[mb.indices >= 0][0]))
-        fields = dict(proto, attention_mask=np.zeros((1,), np.uint8))
         b, length = mb.shape
+        local = parallel.batch_sharding(self.mesh, (b, length)).addressable_devices_indices_map(
+            (b, length)
+        )
         cache: dict[tuple, dict[str, np.ndarray]] = {}
-
-        def rows(sl: slice):
-            k = (sl.start, sl.stop, sl.step)
+        for idx in local.values():
+            sl = idx[0]
+            k = sl.indices(b)
             if k not in cache:
                 cache[k] = loader_lib.load_rows(source, mb, sl, pad_id=self.cfg.pad_id)
-            return cache[k]
-
+        fields = next(iter(cache.values()))
         out = {}
         for name, v in fields.items():
-            shape = (b, length) + tuple(v.shape[1:])
+            shape = (b, length) + tuple(v.shape[2:])
             sharding = parallel.batch_sharding(self.mesh, shape)
 
             def cb(index, name=name):
-                return rows(index[0])[name][(slice(None),) + tuple(index[1:])]
+                return cache[index[0].indices(b)][name][(slice(None),) + tuple(index[1:])]
 
             out[name] = jax.make_array_from_callback(shape, sharding, cb)
         return out
