@@ -291,3 +291,9 @@ def test_reduced_load_test(live):
     assert s["valid_sent"] == s["valid_completed"] > 0
     assert s["server_5xx"] == 0 and s["leaked_slots"] == 0 and s["leaked_queue"] == 0
     assert res["sent"]["abandon"] > 0 and res["sent"]["malformed"] > 0
+    counted = s["server_counted"]
+    assert counted["vllm:request_success_total{length}"] >= s["valid_completed"]
+    assert counted["vllm:request_success_total{abort}"] >= 1  # abandoned streams were cancelled
+    assert counted["dspark:request_rejected_total{invalid}"] == sum(
+        res["sent"][k] for k in ("malformed", "bad_knob", "too_long")
+    )

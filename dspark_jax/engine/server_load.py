@@ -228,11 +228,16 @@ async def _phase(url, c, n, rng, model, max_len, t: _Tally, timeout_s):
             "requests_per_s": round(n / dt, 2)}  # fmt: skip
 
 
-def _gauges(text: str) -> dict[str, float]:
-    out = {}
+def _samples(text: str) -> dict[str, float]:
+    """Metric samples summed over labels, except reasons, which stay apart (`name{reason}`)."""
+    out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value if not s.labels.get("position") else 0.0
+            if "le" in s.labels or "position" in s.labels:
+                continue
+            reason = s.labels.get("finished_reason") or s.labels.get("reason")
+            key = f"{s.name}{{{reason}}}" if reason else s.name
+            out[key] = out.get(key, 0.0) + s.value
     return out
 
 
@@ -240,7 +245,7 @@ async def _idle_metrics(url, wait_s: float) -> dict[str, float]:
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         deadline = time.monotonic() + wait_s
         while True:
-            m = _gauges((await client.get("/metrics")).text)
+            m = _samples((await client.get("/metrics")).text)
             idle = not m.get("vllm:num_requests_running") and not m.get("vllm:num_requests_waiting")
             if idle or time.monotonic() > deadline:
                 m["health"] = float((await client.get("/health")).status_code)
@@ -254,6 +259,7 @@ async def run_load(url: str, requests: int = 1000, concurrencies=(1, 4, 16, 32),
     url = check_local(url)
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         card = (await client.get("/v1/models")).json()["data"][0]
+        before = _samples((await client.get("/metrics")).text)
     model, max_len = card["id"], int(card["max_model_len"])
     rng = np.random.default_rng(seed)
     t = _Tally()
@@ -270,6 +276,9 @@ async def run_load(url: str, requests: int = 1000, concurrencies=(1, 4, 16, 32),
         "server_5xx": t.server_5xx, "leaked_slots": leaked_slots, "leaked_queue": leaked_queue,
         "failures": len(t.wrong), "retries_429": t.retries_429,
         "health_after": int(m["health"]),
+        # what the server counted during the run (abandoned streams show up as aborts)
+        "server_counted": {k: m.get(k, 0.0) - before.get(k, 0.0) for k in sorted(m)
+                           if "{" in k and m.get(k, 0.0) != before.get(k, 0.0)},
     }  # fmt: skip
     summary["ok"] = (summary["valid_sent"] == summary["valid_completed"] and not t.wrong
                      and t.server_5xx == 0 and leaked_slots == 0 and leaked_queue == 0
@@ -279,7 +288,7 @@ async def run_load(url: str, requests: int = 1000, concurrencies=(1, 4, 16, 32),
         "mix": dict(zip(KINDS, MIX)), "sent": t.counts, "wall_s": round(wall, 3),
         "valid_latency_s": _pct(t.latency), "stream_ttft_s": _pct(t.ttft),
         "output_tokens_per_s": round(t.tokens / wall, 2), "phases": phases,
-        "engine": {k: m.get(k) for k in ("vllm:spec_decode_num_drafts_total",
+        "engine": {k: m.get(k, 0.0) - before.get(k, 0.0) for k in ("vllm:spec_decode_num_drafts_total",
                                          "vllm:spec_decode_num_draft_tokens_total",
                                          "dspark:spec_decode_num_verified_tokens_total",
                                          "vllm:spec_decode_num_accepted_tokens_total")},
