@@ -120,6 +120,8 @@ class StageStore:
                 cur.rename(dst)
                 self.log(f"[{stage}] kept the previous output in {self._rel(dst)}")
         src.rename(cur)
+        if src.parent.name == "work" and not any(src.parent.iterdir()):
+            src.parent.rmdir()  # no partial work left
         self.prune(stage)
 
     def prune(self, stage: str) -> None:
