@@ -4,7 +4,6 @@ prompt formatting and atomic writing."""
 import json
 import os
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -362,34 +361,10 @@ def test_atomic_writer_leaves_no_partial_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# TensorFlow Datasets (optional extra)
+# TensorFlow Datasets (optional extra; a real dataset built by tfds: tests/test_tfds.py)
 
 
 def test_tfds_missing_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
     with pytest.raises(ImportError, match=r"dspark-jax\[tfds\]"):
         read_tfds("anything")
-
-
-def test_tfds_source_with_fake_module(monkeypatch):
-    examples = [
-        {"question": b"What is 2 + 2?", "chat": {"role": np.array([b"human", b"gpt"]),
-                                                 "content": np.array([b"hi", b"yo"])}},
-        {"question": b"  ", "chat": {"role": np.array([b"gpt"]), "content": np.array([b"x"])}},
-    ]  # fmt: skip
-    fake = types.ModuleType("tensorflow_datasets")
-    fake.load = lambda name, split, data_dir, download: examples
-    fake.as_numpy = lambda ds: iter(ds)
-    monkeypatch.setitem(sys.modules, "tensorflow_datasets", fake)
-    prompts, stats = read_tfds("fake", field="question")
-    assert [p.turns for p in prompts] == [("What is 2 + 2?",)] and stats.dropped == {
-        "empty turn": 1
-    }
-    convs, cstats = read_tfds("fake", kind="conversations", field="chat")
-    assert convs[0].as_dicts() == [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "yo"},
-    ]
-    assert cstats.dropped == {"does not start with a user turn": 1}
-    with pytest.raises(DataError, match=r"tfds:fake/train:1: example has no feature 'turns'"):
-        read_tfds("fake")

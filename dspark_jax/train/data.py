@@ -338,11 +338,40 @@ def _tfds_text(x: Any) -> Any:
     return x
 
 
+def parse_tfds_spec(spec: str) -> tuple[str, str, str | None]:
+    """``name[:split[:field]]`` (e.g. ``my_chats:train[:90%]:conversations``) -> (name, split,
+    field); split defaults to ``train``, field to None (auto)."""
+    name, _, rest = spec.strip().partition(":")
+    if not name:
+        raise ValueError(f"data.tfds={spec!r}: expected name[:split[:field]], e.g. my_chats:train")
+    m = re.fullmatch(r"(.*?)(?::([A-Za-z_][\w./-]*))?", rest)
+    split, field = m.group(1), m.group(2)
+    return name, split or "train", field or None
+
+
+def _tfds_examples(tfds: Any, name: str, split: str, data_dir: str | None, download: bool):
+    """Examples of a prepared TFDS dataset as numpy dicts, in stored order.
+
+    ArrayRecord datasets are read through `as_data_source` (no TensorFlow needed); TFRecord ones
+    through `tfds.load` (needs TensorFlow)."""
+    builder = tfds.builder(name, data_dir=data_dir)
+    if download:
+        builder.download_and_prepare()
+    try:
+        source = builder.as_data_source(split=split)
+    except NotImplementedError:  # a TFRecord dataset: the TensorFlow reader
+        ds = tfds.load(name, split=split, data_dir=data_dir, download=False)
+        yield from tfds.as_numpy(ds)
+        return
+    for i in range(len(source)):
+        yield source[i]
+
+
 def read_tfds(
     name: str,
     *,
     split: str = "train",
-    kind: Literal["prompts", "conversations"] = "prompts",
+    kind: Literal["prompts", "conversations", "auto"] = "prompts",
     field: str | None = None,
     data_dir: str | None = None,
     limit: int | None = None,
@@ -353,9 +382,13 @@ def read_tfds(
     `field` names the example feature: for prompts a string (one turn) or a list of strings
     (default ``"turns"``); for conversations a sequence of ``{role, content}`` (or ``{from,
     value}``) messages (default ``"conversations"``), as a list of dicts or a dict of lists.
+    `kind="auto"` reads conversations when the examples have that field (or `field` holds
+    messages) and otherwise prompts, returned as user-only `Conversation`s (regeneration input).
     Validation, role mapping and drop reasons are those of the JSONL readers; errors name
     ``tfds:<name>/<split>`` and the 1-based example number. `download=False` by default because
-    the machines we target are offline: prepare the dataset into `data_dir` first.
+    the machines we target are offline: prepare the dataset into `data_dir` first. ArrayRecord
+    datasets (the TFDS default for new builds with `file_format="array_record"`) need no
+    TensorFlow.
     """
     try:
         import tensorflow_datasets as tfds
@@ -364,26 +397,34 @@ def read_tfds(
             "read_tfds needs TensorFlow Datasets: pip install 'dspark-jax[tfds]' "
             "(or use JSONL prompt/conversation files instead)"
         ) from e
-    field = field or ("turns" if kind == "prompts" else "conversations")
     where = f"tfds:{name}/{split}"
-    ds = tfds.load(name, split=split, data_dir=data_dir, download=download)
     stats = ReadStats(source=where)
     out: list = []
-    for idx, example in enumerate(tfds.as_numpy(ds)):
+    examples = _tfds_examples(tfds, name, split, data_dir, download)
+    for idx, example in enumerate(examples):
         if limit is not None and idx >= limit:
             break
-        if field not in example:
-            raise DataError(where, idx + 1, f"example has no feature {field!r}; pass field=...")
-        value = _tfds_text(example[field])
+        k, f = kind, field
+        if k == "auto":
+            f = f or ("conversations" if "conversations" in example else "turns")
+            v = _tfds_text(example.get(f))
+            k = "conversations" if isinstance(v, dict) or _is_messages(v) else "prompts"
+        f = f or ("turns" if k == "prompts" else "conversations")
+        if f not in example:
+            raise DataError(where, idx + 1, f"example has no feature {f!r}; pass field=...")
+        value = _tfds_text(example[f])
         stats.read += 1
-        if kind == "prompts":
+        if k == "prompts":
             turns = [value] if isinstance(value, str) else value
             if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
-                raise DataError(where, idx + 1, f"{field!r} must be a string or list of strings")
+                raise DataError(where, idx + 1, f"{f!r} must be a string or list of strings")
             if not turns or any(not t.strip() for t in turns):
                 stats.drop("empty turn")
                 continue
-            out.append(Prompt(tuple(turns), id=idx))
+            if kind == "auto":
+                out.append(Conversation(tuple(Message("user", t) for t in turns), id=idx))
+            else:
+                out.append(Prompt(tuple(turns), id=idx))
         else:
             if isinstance(value, dict):  # dict of parallel lists → list of dicts
                 keys = list(value)
@@ -395,6 +436,10 @@ def read_tfds(
             out.append(Conversation(msgs, id=idx))
         stats.kept += 1
     return out, stats
+
+
+def _is_messages(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(m, dict) for m in v)
 
 
 # ------------------------------------------------------------------------------------------------

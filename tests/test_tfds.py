@@ -1,0 +1,106 @@
+"""TFDS through the same record types as JSONL, on a real dataset built here by `tfds` itself
+(a tiny GeneratorBasedBuilder prepared into a tmp data_dir as ArrayRecord: no TensorFlow)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_jax.train.data import (
+    Conversation,
+    DataError,
+    Prompt,
+    parse_tfds_spec,
+    read_conversations,
+    read_tfds,
+    write_conversations,
+)
+
+tfds = pytest.importorskip("tensorflow_datasets")
+
+CHATS = [
+    [("human", "What is 2 + 2?"), ("gpt", "4")],
+    [("user", "Name a prime."), ("assistant", "7"), ("user", "Another?"), ("assistant", "11")],
+    [("gpt", "starts with the assistant")],  # dropped like in JSONL
+    [("user", "   ")],  # empty content: dropped
+]
+
+
+class DsparkTinyChats(tfds.core.GeneratorBasedBuilder):
+    """Conversations as a dict of parallel lists (TFDS Sequence of a FeaturesDict) plus a
+    single-string prompt feature."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+        text = tfds.features.Text()
+        return tfds.core.DatasetInfo(
+            builder=self,
+            features=tfds.features.FeaturesDict(
+                {
+                    "conversations": tfds.features.Sequence({"from": text, "value": text}),
+                    "question": text,
+                }
+            ),
+        )
+
+    def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples(CHATS), "test": self._generate_examples(CHATS[:1])}
+
+    def _generate_examples(self, chats):
+        for i, chat in enumerate(chats):
+            msgs = {"from": [r for r, _ in chat], "value": [c for _, c in chat]}
+            yield i, {"conversations": msgs, "question": chat[0][1]}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tfds")
+    DsparkTinyChats(data_dir=str(d), file_format="array_record").download_and_prepare()
+    return str(d)
+
+
+def test_spec_parsing():
+    assert parse_tfds_spec("dspark_tiny_chats") == ("dspark_tiny_chats", "train", None)
+    assert parse_tfds_spec("x:train[:90%]") == ("x", "train[:90%]", None)
+    assert parse_tfds_spec("x:test:question") == ("x", "test", "question")
+    with pytest.raises(ValueError, match="expected name"):
+        parse_tfds_spec(":train")
+
+
+def test_conversations_equal_the_jsonl_reader(data_dir, tmp_path):
+    convs, stats = read_tfds(
+        "dspark_tiny_chats", kind="conversations", data_dir=data_dir, split="train"
+    )
+    assert all(isinstance(c, Conversation) for c in convs)
+    assert stats.read == 4 and stats.kept == 2 and stats.num_dropped == 2
+    # the same rows through JSONL give the same records (order aside: TFDS shuffles on build)
+    jsonl = tmp_path / "chats.jsonl"
+    rows = [
+        {"id": i, "conversations": [{"from": r, "value": c} for r, c in chat]}
+        for i, chat in enumerate(CHATS)
+    ]
+    import json
+
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    want, jstats = read_conversations(jsonl)
+    key = lambda c: c.as_dicts()  # noqa: E731
+    assert sorted(map(key, convs), key=str) == sorted(map(key, want), key=str)
+    assert stats.dropped == jstats.dropped
+    write_conversations(tmp_path / "back.jsonl", convs)  # records round-trip to JSONL
+    again, _ = read_conversations(tmp_path / "back.jsonl")
+    assert [c.as_dicts() for c in again] == [c.as_dicts() for c in convs]
+
+
+def test_prompts_auto_and_errors(data_dir):
+    prompts, stats = read_tfds(
+        "dspark_tiny_chats", split="test", field="question", data_dir=data_dir
+    )
+    assert [p.turns for p in prompts] == [("What is 2 + 2?",)] and isinstance(prompts[0], Prompt)
+    # auto: the conversations feature is found; a prompt field gives user-only conversations
+    convs, _ = read_tfds("dspark_tiny_chats", kind="auto", data_dir=data_dir)
+    assert len(convs) == 2 and convs[0].messages[-1].role == "assistant"
+    users, _ = read_tfds("dspark_tiny_chats", kind="auto", field="question", data_dir=data_dir)
+    assert {c.user_turns() for c in users} == {(c[0][1],) for c in CHATS[:3]}  # "   " dropped
+    assert all(len(c.messages) == 1 for c in users)
+    with pytest.raises(DataError, match=r"tfds:dspark_tiny_chats/train:1: example has no feature"):
+        read_tfds("dspark_tiny_chats", data_dir=data_dir)
