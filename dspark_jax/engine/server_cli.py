@@ -68,9 +68,9 @@ def run(args) -> int:
         return server_load.run_cli(args)
     from dspark_jax.run.cli import report, user_errors
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True
-    )
+    # our start-up lines at --log-level; other libraries' (absl, orbax) at WARNING
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log.setLevel(args.log_level.upper())
     try:
         server_load.check_local(f"http://{args.host}")  # refuse to bind beyond this machine
     except ValueError:
