@@ -1,0 +1,156 @@
+"""ServingEngine, sampled: a request's output does not depend on its slot or its neighbours, no
+retrace across knobs / arrivals / policies, and with a scheduler on the output follows the
+target's distribution (chi-square), which a deliberately biased policy fails."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from dspark_jax.engine import RequestParams, ServingEngine
+from dspark_jax.models import forward
+from dspark_jax.sched import CostProfile
+from dspark_jax.testing import CompileCounter
+from tests.engine_models import agreeing_pair
+
+COST = CostProfile.from_step_time(1.0, 0.08, max_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    tcfg, tp, dcfg, dp = agreeing_pair(vocab=64, gamma=4, head_scale=1.0, markov_bias=3.0)
+    eng = ServingEngine(
+        tcfg, dcfg, tp, dp, num_slots=3, max_len=96, prompt_buckets=(8, 16), token_buckets=(15,),
+    )  # fmt: skip
+    eng.warmup()
+    return eng
+
+
+def _drain(eng):
+    while eng.has_work():
+        eng.step()
+
+
+def test_sampled_output_independent_of_slot_and_neighbours(engine):
+    p = RequestParams(20, temperature=0.9, top_p=0.95, seed=11)
+    alone = engine.generate([[5, 6, 7]], p)[0].tokens
+    others = [
+        RequestParams(15, temperature=1.3, top_k=5, seed=1),
+        RequestParams(9, temperature=0.0),
+        RequestParams(30, temperature=0.7, min_p=0.1, seed=2),
+    ]
+    h = [engine.submit([9, 9, 1, 2], others[0]), engine.submit([4], others[1])]
+    engine.step()
+    h.append(engine.submit([1, 2, 3, 4, 5], others[2]))
+    mine = engine.submit([5, 6, 7], p)  # admitted later, into whichever slot frees first
+    _drain(engine)
+    assert mine.result().tokens == alone
+    assert all(x.result().finish_reason == "length" for x in h)
+
+
+def test_no_retrace_across_knobs_arrivals_and_policies(engine):
+    knobs = [
+        RequestParams(12, temperature=0.0),
+        RequestParams(7, temperature=1.0, seed=3),
+        RequestParams(10, temperature=0.5, top_k=3, seed=4, stop_ids=(1, 2)),
+        RequestParams(9, temperature=1.2, top_p=0.8, min_p=0.05),
+        RequestParams(5, temperature=0.0, stop_ids=(7,)),
+    ]
+    prompts = [[1], [2, 3, 4, 5, 6, 7, 8, 9, 10], [11] * 14, [12, 13], [30] * 20]
+    with CompileCounter() as cc:
+        for pol in ("fixed", "mtp1", "threshold", "alg1", "async"):
+            engine.set_policy(pol, cost_profile=COST)
+            for i, (pr, kn) in enumerate(zip(prompts, knobs)):
+                engine.submit(pr, kn)
+                if i % 2:
+                    engine.step()
+            _drain(engine)
+    assert cc.count == 0, cc.names
+    engine.set_policy("fixed")
+
+
+def _exact_pair_law(tcfg, tp, prompt):
+    """Exact law of (t2, t3) of plain sampling at T=1, by enumeration over (t1, t2)."""
+    v = tcfg.vocab_size
+    seqs = np.array([prompt + list(c) for c in itertools.product(range(v), repeat=2)], np.int32)
+    pos = jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape)
+    out, _ = forward(tcfg, tp, jnp.asarray(seqs), pos)
+    lp = np.asarray(jax.nn.log_softmax(out.logits, -1), np.float64)
+    n = len(prompt)
+    t1, t2 = seqs[:, n], seqs[:, n + 1]
+    joint = (
+        np.exp(lp[0, n - 1])[t1][:, None]
+        * np.exp(lp[np.arange(len(seqs)), n, t2])[:, None]
+        * np.exp(lp[:, n + 1])
+    )
+    law = np.zeros((v, v))
+    np.add.at(law, t2, joint)
+    return law
+
+
+def _chisquare(counts, law):
+    expected = law.reshape(-1) / law.sum() * counts.sum()
+    obs = counts.reshape(-1)
+    keep = expected > 5
+    o, e = obs[keep], expected[keep]
+    if (~keep).any():
+        o, e = np.append(o, obs[~keep].sum()), np.append(e, expected[~keep].sum())
+    return stats.chisquare(o, e * o.sum() / e.sum())
+
+
+class UnlikelyOnly:
+    """Biased on purpose: verifies the drafts only when the first draft is NOT the drafter's own
+    most likely token (admission looks at the draft's value), none otherwise."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __call__(self, conf, *, max_len=None, stale_conf=None):
+        eng = self.engine
+        slots = [r.slot for r in eng.slots.running()]
+        toks = np.asarray(eng.state.prop_tokens)[slots, 0]
+        fav = np.asarray(eng.state.prop_probs)[slots, 0].argmax(-1)
+        return np.where(toks != fav, np.minimum(max_len, eng.gamma), 0).astype(np.int32)
+
+
+@pytest.mark.slow
+def test_sampled_follows_target_law_with_scheduler_and_rejects_biased_policy():
+    tcfg, tp, dcfg, dp = agreeing_pair(vocab=8, gamma=2, head_scale=0.4, markov_bias=0.0)
+    prompt = [1, 2, 3]
+    law = _exact_pair_law(tcfg, tp, prompt)
+    eng = ServingEngine(
+        tcfg, dcfg, tp, dp, num_slots=16, max_len=32, prompt_buckets=(8,),
+        token_buckets=(16, 20, 24, 32, 48), modes=("sampled",), policy="alg1",
+        cost_profile=CostProfile.from_step_time(1.0, 0.003, max_tokens=64),
+    )  # fmt: skip
+    eng.warmup()
+    n = 6000
+
+    def run(seed0):
+        outs = eng.generate(
+            [prompt] * n, [RequestParams(3, temperature=1.0, seed=seed0 + i) for i in range(n)]
+        )
+        counts = np.zeros_like(law)
+        for o in outs:
+            counts[o.tokens[1], o.tokens[2]] += 1
+        return counts, outs
+
+    counts, outs = run(0)
+    accepted = sum(sum(o.num_accepted) for o in outs)
+    verified = [n for o in outs for n in o.proposed]
+    assert accepted > n // 5, "drafts must be accepted for the test to mean anything"
+    assert 0 < np.mean(verified) < 2, "the scheduler must actually vary the lengths"
+    # the joint law of (t2, t3) and the marginal of t2 (more power on one round's output)
+    for c, lw in ((counts, law), (counts.sum(1), law.sum(1))):
+        chi = _chisquare(c, lw)
+        assert chi.pvalue > 1e-3, chi
+
+    eng.set_policy(UnlikelyOnly(eng))
+    bad, _ = run(10**6)
+    chi_bad = min(_chisquare(c, lw).pvalue for c, lw in ((bad, law), (bad.sum(1), law.sum(1))))
+    assert chi_bad < 1e-6, chi_bad
