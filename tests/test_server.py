@@ -13,7 +13,8 @@ import pytest
 
 from dspark_jax import drafters
 from dspark_jax.engine.requests import RequestParams
-from dspark_jax.engine.server import create_app, serve_in_thread
+from dspark_jax.engine.server import create_app
+from dspark_jax.engine.server_run import serve_in_thread
 from dspark_jax.engine.serving import ServingEngine
 from dspark_jax.models import init_params
 from dspark_jax.models.generate import generate

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server over one `ServingEngine` (FastAPI + uvicorn).
 
     app = create_app(engine, tokenizer, "dspark-tiny", stop_ids=run.stop_ids())
-    run_server(app, "127.0.0.1", 8000)          # blocks; SIGINT/SIGTERM drain and exit
+    server_run.run_server(app, "127.0.0.1", 8000)   # blocks; SIGINT/SIGTERM drain and exit
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's chat template),
 `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus, see `server_metrics`).
@@ -26,14 +26,11 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import signal
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -399,37 +396,3 @@ async def _sse_stream(run: _Run, base, req, prompt_len, *, chat: bool):
     finally:
         if not finished:  # client disconnected (the response task was cancelled) or an error
             run.abort()
-
-
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, **kw):
-    """Start uvicorn for `app` in a daemon thread; returns `(server, thread, port)` once it
-    listens. Stop with `server.should_exit = True; thread.join()` (tests, benchmarks)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=kw.pop("log_level", "warning"),
-                            lifespan="on", **kw)  # fmt: skip
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
-        time.sleep(0.02)
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    return server, thread, bound
-
-
-def run_server(app: FastAPI, host: str, port: int, *, drain_timeout_s: float = 30.0,
-               log_level: str = "info") -> None:  # fmt: skip
-    """Serve until SIGINT/SIGTERM; then stop accepting, let open requests finish (up to
-    `drain_timeout_s`, then cancel them), drain the engine and return normally."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=int(max(drain_timeout_s, 1)))  # fmt: skip
-    # uvicorn re-raises the signal it shut down on, under the handler it found installed; the
-    # drain is done by then, so that handler ignores it and the process exits normally.
-    handled = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
-    try:
-        uvicorn.Server(config).run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

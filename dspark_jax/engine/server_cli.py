@@ -79,7 +79,7 @@ def run(args) -> int:
         app = build_app(args)
     except user_errors() as e:
         return report(e, args.debug)
-    from dspark_jax.engine.server import run_server
+    from dspark_jax.engine.server_run import run_server
 
     log.info("serving on http://%s:%d (Ctrl-C / SIGTERM drains and exits)", args.host, args.port)
     run_server(app, args.host, args.port, drain_timeout_s=args.drain_timeout,
