@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any
 
-from dspark_jax.config import ConfigError, TargetConfig
+from dspark_jax.config import ConfigError, MeshConfig, TargetConfig, TrainConfig
 from dspark_jax.train.corpus import CorpusConfig
 
 
@@ -25,12 +25,16 @@ class DataStage:
     By default the embedded corpus (`corpus`: stdlib code, pydoc prose, generated math) provides
     both. `conversation_files` (JSONL `{"conversations": [...]}`) replace its training chats;
     `eval_prompt_files` (DeepSpec `{"turns": [...]}` JSONL, one dataset per file, named by the
-    file stem) replace its held-out prompt sets.
+    file stem) replace its held-out prompt sets. `tfds` ("name[:split[:field]]", e.g.
+    "my_chats:train") adds a prepared TensorFlow-Datasets dataset (conversations, or prompts as
+    user-only conversations) read from `tfds_data_dir` (default: TFDS's own).
     """
 
     corpus: CorpusConfig = CorpusConfig()
     conversation_files: tuple[str, ...] = ()
     eval_prompt_files: tuple[str, ...] = ()
+    tfds: str = ""
+    tfds_data_dir: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +86,25 @@ class DrafterStage:
     lr: float = 3e-3
     eval_every: int = 200
     seed: int = 42
+    # memory plan (TrainConfig): sequences per micro-step over all devices (0 = batch_size, no
+    # gradient accumulation), dtypes ("auto": bf16 on GPU/TPU, f32 on CPU), anchors per
+    # rematerialized chunk (-1 = all at once)
+    micro_batch_size: int = 0
+    compute_dtype: str = "auto"
+    target_dtype: str = "auto"
+    anchor_chunk: int = -1
+
+    def train_config(self, seed: int) -> TrainConfig:
+        """The drafters stage's TrainConfig (one per drafter kind; `seed` is the drafter's)."""
+        micro = self.micro_batch_size or self.batch_size
+        return TrainConfig(
+            learning_rate=self.lr, total_steps=self.steps, warmup_ratio=0.05,
+            global_batch_size=self.batch_size, micro_batch_size=micro,
+            seq_buckets=(self.seq_len,), compute_dtype=self.compute_dtype,
+            target_dtype=self.target_dtype, anchor_chunk=self.anchor_chunk,
+            eval_interval=self.eval_every, eval_batch_size=micro, max_eval_batches=4,
+            checkpoint_interval=self.eval_every, seed=seed, pad_id=0,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +132,9 @@ class PipelineConfig:
     # finished stage outputs replaced by a changed configuration are kept in <run>/previous/;
     # at most this many per stage (older ones are removed)
     keep_versions: int = 3
+    # device mesh of every stage that trains a model (--set mesh.data=2 mesh.fsdp=2
+    # mesh.tensor=2); default: all local devices data-parallel
+    mesh: MeshConfig = MeshConfig()
     data: DataStage = DataStage()
     tokenizer: TokenizerStage = TokenizerStage()
     target: TargetStage = TargetStage()

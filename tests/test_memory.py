@@ -1,12 +1,14 @@
 """Memory plan: dtype resolution, the per-device estimate against XLA's compiled memory analysis,
-and the refusal (naming the field to change)."""
+the refusal (naming the field to change), and the 4B preset's numbers on 8 x H100 80 GB."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 from toy_train import base_config, make_samples, one_device_mesh, tiny_target
 
-from dspark_jax.config import ConfigError, DrafterConfig
+from dspark_jax import parallel
+from dspark_jax.config import ConfigError, DrafterConfig, MeshConfig, TargetConfig
 from dspark_jax.train import memory
 from dspark_jax.train.trainer import Trainer
 
@@ -89,3 +91,76 @@ def test_a_plan_over_the_device_memory_is_refused_naming_the_field(tmp_path):
     # memory_check="off" trusts the user
     _trainer(tmp_path, cfg.replace(device_memory_gib=1e-6, memory_check="off"), name="d").close()
     assert not any((tmp_path / n).exists() for n in "abc")  # refused before writing anything
+
+
+# ------------------------------------------------------------------------------------------------
+# The 4B preset on its named slice (8 x H100 80 GB, fsdp=2 x tensor=4), from abstract shapes
+
+QWEN3_4B = dict(
+    architecture="qwen3",
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+    target_layer_ids=(1, 9, 17, 25, 33),
+)
+
+
+def _plan_4b(train_cfg, kind: str, mesh_cfg: MeshConfig):
+    """The plan of the real 4B shapes on an 8-device mesh, from abstract states only."""
+    from dspark_jax.drafters import init_params
+    from dspark_jax.models import transformer
+
+    tcfg = TargetConfig(**QWEN3_4B)
+    make = {"dspark": DrafterConfig.dspark, "dflash": DrafterConfig.dflash}.get(kind)
+    if kind == "eagle3":
+        dcfg = DrafterConfig.eagle3(tcfg)
+    else:
+        dcfg = make(tcfg, num_layers=5, num_anchors=512, mask_token_id=151669)
+    if train_cfg.anchor_chunk >= 0 and kind != "eagle3":
+        dcfg = dcfg.replace(anchor_chunk=train_cfg.anchor_chunk)
+    mesh = parallel.make_mesh(mesh_cfg)
+    target = jax.eval_shape(lambda: transformer.init_params(tcfg, 0))
+    drafter = jax.eval_shape(lambda: init_params(dcfg, seed=0))
+    sh = lambda tree: parallel.param_shardings(tree, mesh)  # noqa: E731
+    return memory.plan_memory(
+        memory.resolve_dtypes(train_cfg, "gpu"),
+        mesh,
+        trainable=drafter.trainable,
+        trainable_shardings=sh(drafter.trainable),
+        frozen=drafter.frozen,
+        frozen_shardings=sh(drafter.frozen),
+        target_params=target,
+        target_shardings=sh(target),
+        target_cfg=tcfg,
+        drafter_cfg=dcfg,
+    ), (dcfg, mesh)
+
+
+def test_4b_preset_fits_8xh100_and_the_old_numbers_do_not():
+    import configs.qwen3_4b_dspark as preset
+
+    pc = preset.config()
+    assert preset.SLICE == "8xH100-80GB" and jax.device_count() == 8
+    cfg = pc.drafters.train_config(seed=0).replace(device_memory_gib=80)
+    assert cfg.accum_steps == 128 and cfg.seq_buckets == (4096,)
+    plans = {}
+    for kind in pc.drafters.kinds:
+        plan, (dcfg, mesh) = _plan_4b(cfg, kind, pc.mesh)
+        plans[kind] = plan
+        print(kind, plan.summary())
+        assert plan.fits, (kind, plan.summary())
+    assert plans["dspark"].params < 10 * memory.GIB  # fsdp splits the bf16 target 8 ways
+    # the numbers the preset had: 512 sequences per micro-step, fp32, all anchors at once
+    old = cfg.replace(
+        micro_batch_size=512, compute_dtype="float32", target_dtype="float32", anchor_chunk=0
+    )
+    plan, (dcfg, mesh) = _plan_4b(old, "dspark", pc.mesh)
+    assert not plan.fits
+    with pytest.raises(ConfigError, match="set TrainConfig.micro_batch_size="):
+        memory.check_fits(old, plan, mesh, dcfg.target, dcfg)

@@ -147,7 +147,8 @@ def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
         f"data.conversation_files={conv}", "data.eval_prompt_files=" + ",".join(evals),
         "regenerate.max_prompts=8", "regenerate.max_new_tokens=16", "regenerate.batch_size=8",
         "drafters.num_layers=1", "drafters.markov_rank=16", "drafters.num_anchors=8",
-        "drafters.steps=3", "drafters.batch_size=2", "drafters.seq_len=128",
+        "drafters.steps=3", "drafters.batch_size=2", "drafters.micro_batch_size=2",
+        "drafters.seq_len=128", "mesh.fsdp=1", "mesh.tensor=1",  # one CPU device, not 8xH100
         "drafters.eval_every=3", "calibrate.max_prompts=4", "calibrate.max_new_tokens=16",
         "evaluate.max_prompts_per_dataset=2", "evaluate.max_new_tokens=16",
         "evaluate.batch_size=2", "evaluate.max_len=1024", "evaluate.speed_prompts=1",

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspark_jax.config import ConfigError, TrainConfig
+from dspark_jax import parallel
+from dspark_jax.config import ConfigError
 from dspark_jax.run.io import write_json_atomic, write_text_atomic
 from dspark_jax.run.rundir import LENGTH_BUCKETS
 from dspark_jax.run.staged import STAGES, StagedRun
@@ -103,12 +104,24 @@ class Pipeline(StagedRun):
         from dspark_jax.train.data import read_conversations
 
         c = self.cfg
-        paths = c.data.conversation_files or (str(self.corpus_files().train_conversations),)
+        paths = c.data.conversation_files
+        if not paths and not c.data.tfds:
+            paths = (str(self.corpus_files().train_conversations),)
         convs = []
         for p in paths:
             got, stats = read_conversations(p)
             self.log(f"  {stats.summary()}")
             convs += got
+        if c.data.tfds:
+            from dspark_jax.train.data import parse_tfds_spec, read_tfds
+
+            name, split, field = parse_tfds_spec(c.data.tfds)
+            got, stats = read_tfds(
+                name, split=split, kind="auto", field=field, data_dir=c.data.tfds_data_dir or None
+            )
+            self.log(f"  {stats.summary()}")
+            convs += got
+            paths = (*paths, f"tfds:{c.data.tfds}")
         if not convs:
             raise ConfigError(f"no usable training conversations in {paths}")
         return convs
@@ -237,16 +250,10 @@ class Pipeline(StagedRun):
         info = {}
         for kind in d.kinds:
             dcfg = self.rundir.drafter_config(kind, tcfg)
-            tc = TrainConfig(
-                learning_rate=d.lr, total_steps=d.steps, warmup_ratio=0.05,
-                global_batch_size=d.batch_size, micro_batch_size=d.batch_size,
-                seq_buckets=(d.seq_len,), compute_dtype="float32", eval_interval=d.eval_every,
-                eval_batch_size=d.batch_size, max_eval_batches=4, checkpoint_interval=d.eval_every,
-                seed=dcfg.seed, pad_id=0,
-            )  # fmt: skip
             trainer = Trainer.for_drafter(
-                tc, dcfg, tparams, train_data=train_s, eval_data=eval_s,
-                run_dir=self.stage_dir("drafters") / kind,
+                d.train_config(seed=dcfg.seed), dcfg, tparams, train_data=train_s,
+                eval_data=eval_s, run_dir=self.stage_dir("drafters") / kind,
+                mesh=parallel.make_mesh(self.cfg.mesh),
             )  # fmt: skip
             self.log(f"  training {kind}: {_count(trainer.trainable)} trainable parameters")
             res = trainer.run()

@@ -647,7 +647,9 @@ class Trainer:
         from dspark_jax.train import losses
 
         if cfg.anchor_chunk >= 0 and drafter_cfg.kind != "eagle3":
-            drafter_cfg = drafter_cfg.replace(anchor_chunk=cfg.anchor_chunk)
+            # a chunk of all anchors or more is no chunking
+            chunk = cfg.anchor_chunk if cfg.anchor_chunk < drafter_cfg.num_anchors else 0
+            drafter_cfg = drafter_cfg.replace(anchor_chunk=chunk)
         check_compatible(drafter_cfg.target, drafter_cfg, target_params=target_params)
         params = init_params(drafter_cfg, seed=seed, target_params=target_params)
         return cls(
