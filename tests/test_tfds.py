@@ -104,3 +104,16 @@ def test_prompts_auto_and_errors(data_dir):
     assert all(len(c.messages) == 1 for c in users)
     with pytest.raises(DataError, match=r"tfds:dspark_tiny_chats/train:1: example has no feature"):
         read_tfds("dspark_tiny_chats", data_dir=data_dir)
+
+
+def test_pipeline_reads_data_tfds(data_dir, tmp_path):
+    """`--set data.tfds=name:split` reaches the pipeline's training conversations."""
+    from dspark_jax.pipeline_config import DataStage, PipelineConfig, apply_overrides
+    from dspark_jax.train.pipeline import Pipeline
+
+    cfg = PipelineConfig(run_dir=str(tmp_path / "run"), data=DataStage(tfds_data_dir=data_dir))
+    cfg = apply_overrides(cfg, ["data.tfds=dspark_tiny_chats:train"])
+    lines: list[str] = []
+    convs = Pipeline(cfg, log=lines.append)._training_conversations()
+    assert len(convs) == 2 and all(c.messages[0].role == "user" for c in convs)
+    assert any("tfds:dspark_tiny_chats/train" in x and "kept 2" in x for x in lines), lines

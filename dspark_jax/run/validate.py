@@ -49,6 +49,10 @@ _RANGES: dict[str, tuple] = {
     "evaluate.temperature": (0, None, True, True),
     "evaluate.batch_size": (1, None, True, True),
     "evaluate.max_len": (0, None, True, True),
+    "drafters.anchor_chunk": (-1, None, True, True),  # -1 = all anchors at once
+    "mesh.data": (-1, None, True, True),  # -1 = the devices left after fsdp x tensor
+    "mesh.fsdp": (1, None, True, True),
+    "mesh.tensor": (1, None, True, True),
     "data.corpus.heldout_fraction": (0, 1, True, True),
     "data.corpus.two_turn_fraction": (0, 1, True, True),
 }
