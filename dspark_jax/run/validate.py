@@ -79,6 +79,8 @@ def validate_config(cfg: PipelineConfig) -> None:
             f"drafters.markov_head_type={d.markov_head_type!r} is unknown — use one of "
             + ", ".join(MARKOV_HEAD_TYPES)
         )
+    if hasattr(d, "train_config"):  # the drafters stage's TrainConfig checks its own fields
+        d.train_config(d.seed)
     if d.markov_rank < 0:
         raise ConfigError(f"drafters.markov_rank={d.markov_rank} must be >= 0 (0 = no Markov head)")
 
