@@ -104,6 +104,8 @@ class DrafterStage:
             target_dtype=self.target_dtype, anchor_chunk=self.anchor_chunk,
             eval_interval=self.eval_every, eval_batch_size=micro, max_eval_batches=4,
             checkpoint_interval=self.eval_every, seed=seed, pad_id=0,
+            # the reference's training τ: mean over blocks of per-block survival products
+            best_metric="tau",
         )  # fmt: skip
 
 

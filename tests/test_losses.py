@@ -238,3 +238,35 @@ def test_eagle3_loss_weights_shift_and_normalization(target):
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
     assert float(m["n_supervised"]) == 1 and float(m["n_tokens"]) == seq - pad
     assert np.all(np.asarray(m["accept_den"]) == 1)
+
+
+def test_eagle3_loss_is_a_mean_over_sequences_of_per_sequence_losses(target):
+    """REFERENCE §5.2: each sequence's loss is normalised by its own length, then sequences are
+    averaged with equal weight (a short sequence weighs as much as a long one)."""
+    cfg = tiny_drafter_config("eagle3", target=target[0])
+    params = api.init_params(cfg, seed=3, target_params=target[1])
+    b = drafter_batch(*target, batch=2, length=16, prompt=3)
+    b["attention_mask"] = jnp.ones((2, 16)).at[1, 7:].set(0.0)  # row 1: 7 real tokens
+    b["loss_mask"] = b["loss_mask"] * b["attention_mask"]
+    f = jax.jit(lambda p, x: loss_fn(cfg, p.trainable, p.frozen, x, jax.random.key(0))[0])
+    both = float(f(params, b))
+    rows = [float(f(params, {k: v[i : i + 1] for k, v in b.items()})) for i in range(2)]
+    np.testing.assert_allclose(both, np.mean(rows), rtol=1e-5)
+    assert abs(rows[0] - rows[1]) > 1e-3  # the test distinguishes this from token weighting
+
+
+def test_training_tau_is_the_mean_of_per_block_survival_products(target):
+    """The best-checkpoint criterion (`tau`, REFERENCE §4.5 tau_probabilistic) averages per-block
+    survival products; the product of per-position means (`sim_tau`) differs from it."""
+    from dspark_jax.pipeline_config import DrafterStage
+    from dspark_jax.train.trainer import simulated_tau as product_of_means
+
+    assert DrafterStage().train_config(seed=0).best_metric == "tau"
+    rng = np.random.default_rng(0)
+    # per-block, per-position 1 - TV; easy and hard blocks (acceptance correlated along a block,
+    # as in real text), where the two criteria part most
+    acc = np.repeat(rng.uniform(0, 1, (50, 1)), 4, axis=1)
+    per_block = np.mean(1 + np.cumprod(acc, -1).sum(-1))
+    got = simulated_tau(jnp.asarray(acc), jnp.ones((50, 4))).mean()
+    np.testing.assert_allclose(float(got), per_block, rtol=1e-6)
+    assert per_block - product_of_means(acc.mean(0)) > 0.2

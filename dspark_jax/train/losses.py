@@ -35,8 +35,10 @@ evaluation; the other keys are this batch's ratios:
 
 Normalization (REFERENCE §4.3): each term is Σ_batch num / (Σ_batch den + 1e-6) over the B
 sequences of this call, i.e. a token-weighted mean per micro-batch; averaging micro-batch losses
-with equal weight is the trainer's job. Eagle3 divides by the number of real tokens in the batch
-(= B·T unpadded, the reference "local_mean").
+with equal weight is the trainer's job. Eagle3 is normalised per sequence as the reference does
+(batch 1 per rank, "local_mean" over the sequence's full length T): each sequence's step loss is
+Σ_t M·CE / T_b with T_b its real length, and the batch's loss is the mean over its sequences
+(rows without real tokens are ignored), so every sequence weighs the same whatever its length.
 """
 
 from __future__ import annotations
@@ -226,7 +228,8 @@ def _shift_left(x, k: int, fill=0):
 
 
 def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
-    """TTT soft-label CE: Σ_k 0.8^k Σ_t M^k_t·CE(P^k_t, q^k_t) / (#real tokens in the batch).
+    """TTT soft-label CE: Σ_k 0.8^k mean_b [Σ_t M^k_bt·CE(P^k_bt, q^k_bt) / T_b], T_b the real
+    length of sequence b (REFERENCE §5.2: per-sequence "local_mean", equal weight per sequence).
 
     P^k_t = softmax(lm_head(target_hidden[t+k+1])), uniform past the end (never supervised);
     M^0 = loss_mask with each row's last real token cleared, M^k_t = M^0_{t+k}.
@@ -246,6 +249,9 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
     )  # [B, L, V]
     g_steps = ttt_hidden(model, batch["target_features"], ids, valid_len)  # [γ, B, L, H]
     denom = am.sum()
+    row_len = am.sum(1)  # [B] real tokens per sequence
+    n_rows = jnp.maximum((row_len > 0).astype(f32).sum(), 1.0)
+    inv_len = jnp.where(row_len > 0, 1.0 / jnp.maximum(row_len, 1.0), 0.0)  # [B]
     total = jnp.zeros((), f32)
     acc_num, tv_num, mden, ce_k, match, accs = [], [], [], [], [], []
     for k in range(cfg.block_size):
@@ -254,7 +260,7 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
         p_t = jax.nn.softmax(tl, axis=-1)
         mk = _shift_left(lm, k)
         ce = -(p_t * logp_d).sum(-1)
-        step = (mk * ce).sum() / jnp.maximum(denom, 1.0)
+        step = ((mk * ce).sum(1) * inv_len).sum() / n_rows
         total = total + (cfg.step_loss_decay**k) * step
         ce_k.append(step)
         acc = jax.lax.stop_gradient(
