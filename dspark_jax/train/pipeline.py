@@ -109,7 +109,8 @@ class Pipeline(StagedRun):
             paths = (str(self.corpus_files().train_conversations),)
         convs = []
         for p in paths:
-            got, stats = read_conversations(p)
+            # a sample's own system prompt is kept (REFERENCE §1.3); see default_system_prompt
+            got, stats = read_conversations(p, keep_system=True)
             self.log(f"  {stats.summary()}")
             convs += got
         if c.data.tfds:
@@ -163,11 +164,28 @@ class Pipeline(StagedRun):
     def _regen_prompts(self):
         """Training prompts (user turns) in a fixed order; the last `calibrate.max_prompts` form
         the calibration split (never used to train drafters)."""
+        return [t for _, t in self._regen_requests()]
+
+    def _regen_requests(self):
+        """(the sample's own system message or None, its user turns), in `_regen_prompts` order."""
         convs = self._training_conversations()
         rng = np.random.default_rng(self.cfg.regenerate.seed)
         order = rng.permutation(len(convs))
         n = min(len(convs), self.cfg.regenerate.max_prompts + self.cfg.calibrate.max_prompts)
-        return [list(convs[i].user_turns()) for i in order[:n]]
+        out = []
+        for i in order[:n]:
+            m = convs[i].messages
+            system = m[0].content if m and m[0].role == "system" else None
+            out.append((system, list(convs[i].user_turns())))
+        return out
+
+    def default_system_prompt(self) -> str | None:
+        """The template's default system prompt, inserted when a sample has none (REFERENCE
+        §1.3): Qwen targets loaded from a checkpoint render "You are a helpful assistant."; the
+        embedded demo's ChatML tokenizer has no default."""
+        if self.cfg.target.path and self.target()[0].architecture in ("qwen3", "qwen2"):
+            return "You are a helpful assistant."
+        return None
 
     def _stage_regenerate(self):
         from dspark_jax.models.generate import generate
@@ -176,7 +194,8 @@ class Pipeline(StagedRun):
         c = self.cfg.regenerate
         tcfg, tparams = self.target()
         tok = self.tokenizer()
-        prompts = self._regen_prompts()
+        requests = self._regen_requests()
+        prompts = [t for _, t in requests]
         stop = self.stop_ids()
         ctx = tcfg.max_position_embeddings
         buckets = tuple(b for b in LENGTH_BUCKETS if b <= ctx)
@@ -192,7 +211,11 @@ class Pipeline(StagedRun):
                 bar.update(len(chunk))
                 written += len(chunk)
                 continue
-            msgs = [[] for _ in chunk]
+            # the sample's own system message is sent with every turn (REFERENCE §1.2)
+            msgs = [
+                [{"role": "system", "content": sys_}] if sys_ else []
+                for sys_, _ in requests[lo : lo + shard]
+            ]
             max_turns = max(len(t) for t in chunk)
             for turn in range(max_turns):  # multi-turn prompts answered turn by turn
                 idx = [i for i, t in enumerate(chunk) if len(t) > turn]
@@ -229,7 +252,7 @@ class Pipeline(StagedRun):
 
         convs = []
         for p in sorted((self.stage_dir("regenerate") / "shards").glob("*.jsonl")):
-            got, _ = read_conversations(p)
+            got, _ = read_conversations(p, keep_system=True)
             convs += got
         n_cal = min(self.cfg.calibrate.max_prompts, max(len(convs) // 10, 1))
         return convs[: len(convs) - n_cal], convs[len(convs) - n_cal :]
@@ -242,7 +265,10 @@ class Pipeline(StagedRun):
         tcfg, tparams = self.target()
         tok = self.tokenizer()
         train_convs, _ = self._regenerated()
-        rc = RenderConfig(max_length=d.seq_len, min_loss_tokens=4)
+        rc = RenderConfig(
+            max_length=d.seq_len, min_loss_tokens=4,
+            default_system_prompt=self.default_system_prompt(),
+        )  # fmt: skip
         samples, stats = encode_conversations(tok, train_convs, rc)
         self.log(f"  {stats.summary()}")
         n_eval = max(d.batch_size, len(samples) // 20)
