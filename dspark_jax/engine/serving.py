@@ -43,6 +43,30 @@ from dspark_jax.engine.scheduling import Scheduler
 from dspark_jax.engine.slots import Request, SlotTable, validate_request
 from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
 
+
+def _params_from_knobs(
+    n, *, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, stop_ids=()
+) -> list[RequestParams]:
+    def rows(name, v, kind):
+        a = np.asarray(v)
+        if a.ndim == 0:
+            return [kind(a)] * n
+        if a.shape != (n,):
+            raise RequestError(f"{name} must be a scalar or one per prompt ({n}), got {a.shape}")
+        return [kind(x) for x in a]
+
+    seeds = list(range(n)) if seeds is None else seeds
+    cols = zip(
+        rows("temperature", temperature, float),
+        rows("top_k", top_k, int),
+        rows("top_p", top_p, float),
+        rows("min_p", min_p, float),
+        rows("seeds", seeds, int),
+    )
+    stop = tuple(int(s) for s in stop_ids)
+    return [RequestParams(int(max_new_tokens), t, k, p, m, sd, stop) for t, k, p, m, sd in cols]
+
+
 _SAMPLED = SamplingConfig(top_k=True, top_p=True, min_p=True)
 _GREEDY = SamplingConfig(greedy=True)
 
@@ -399,8 +423,16 @@ class ServingEngine:
         with self._lock:
             return bool(self.slots.queue) or bool(self.slots.running())
 
-    def generate(self, prompts, params) -> list[RequestOutput]:
-        """Offline convenience: submit all (one RequestParams or one per prompt), run, collect."""
+    def generate(self, prompts, params=None, **knobs) -> list[RequestOutput]:
+        """Offline convenience: submit all (one RequestParams or one per prompt), run, collect.
+
+        Also accepts `SpeculativeDecoder.generate`'s keywords instead of `params`
+        (max_new_tokens, temperature, top_k, top_p, min_p, seeds, stop_ids; knobs scalar or one
+        per prompt), so the evaluator drives either engine."""
+        if params is None:
+            params = _params_from_knobs(len(prompts), **knobs)
+        elif knobs:
+            raise TypeError("pass either params or keyword knobs, not both")
         if isinstance(params, RequestParams):
             params = [params] * len(prompts)
         handles = []
