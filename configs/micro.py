@@ -8,7 +8,6 @@ from dspark_jax.pipeline_config import (
     DataStage,
     DrafterStage,
     EvalStage,
-    RegenerateStage,
     TargetStage,
     TokenizerStage,
 )
@@ -30,7 +29,9 @@ def config():
         ),
         tokenizer=TokenizerStage(vocab_size=512),
         target=TargetStage(model=target, steps=30, batch_size=8, seq_len=128, lr=3e-3),
-        regenerate=RegenerateStage(max_prompts=48, max_new_tokens=32, batch_size=16),
+        regenerate=dataclasses.replace(
+            base.regenerate, max_prompts=48, max_new_tokens=32, batch_size=16
+        ),
         drafters=DrafterStage(
             kinds=("dspark", "dflash", "eagle3"),
             block_size=4,
@@ -39,6 +40,7 @@ def config():
             num_anchors=16,
             steps=6,
             batch_size=4,
+            micro_batch_size=2,
             seq_len=128,
             eval_every=3,
         ),  # fmt: skip
@@ -48,5 +50,6 @@ def config():
             max_new_tokens=24,
             batch_size=4,
             speed_prompts=1,
+            speed_reps=2,
         ),  # fmt: skip
     )

@@ -1,9 +1,16 @@
 """The embedded demo: a ~4M-parameter Qwen3 target trained here, three drafters, a τ table.
 
-About 20 minutes on 2 CPU cores: `python train.py --config configs/tiny.py`.
+Proportions chosen by measurement (benchmarks/demo_proportions.py, README "Demo proportions"):
+a target deep relative to its drafters (16 layers x 160 rather than 6 x 256 at about the same
+parameter count), target features from 5 layers spread over its depth (1, 4, 7, 10, 13; Eagle3
+reads the same ones), 1-layer DSpark / DFlash backbones, regeneration at the evaluation temperature
+(T = 1, no top-k / top-p), and one stated training budget for all three drafters: 400 optimizer
+steps x 8 sequences x 256 tokens, accumulated over 2 micro-batches of 4.
+
+`python train.py --config configs/tiny.py`
 """
 
-from dspark_jax.config import TargetConfig
+from dspark_jax.config import TargetConfig, default_target_layer_ids
 from dspark_jax.pipeline_config import (
     CalibrateStage,
     DrafterStage,
@@ -14,40 +21,58 @@ from dspark_jax.pipeline_config import (
     TokenizerStage,
 )
 
+EVAL_TEMPERATURE = 1.0
+
 
 def config() -> PipelineConfig:
     target = TargetConfig(
         architecture="qwen3",
         vocab_size=2048,  # replaced by the trained tokenizer's size (rounded up to 64)
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=6,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
+        hidden_size=160,
+        intermediate_size=320,
+        num_layers=16,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=80,
         rope_theta=1e6,
         tie_word_embeddings=True,
         max_position_embeddings=1024,
-        target_layer_ids=(1, 2, 3),
+        target_layer_ids=default_target_layer_ids(16),  # (1, 4, 7, 10, 13)
     )
     return PipelineConfig(
         name="tiny",
         run_dir="runs/tiny",
         tokenizer=TokenizerStage(vocab_size=2048),
         target=TargetStage(model=target, steps=300, batch_size=16, seq_len=256, lr=3e-3),
-        regenerate=RegenerateStage(max_prompts=1200, max_new_tokens=128, batch_size=32),
+        # the drafters learn the distribution they are evaluated on: T = 1, untruncated
+        regenerate=RegenerateStage(
+            max_prompts=1200,
+            max_new_tokens=128,
+            batch_size=32,
+            temperature=EVAL_TEMPERATURE,
+            top_p=1.0,
+            top_k=0,
+        ),  # fmt: skip
         drafters=DrafterStage(
             kinds=("dspark", "dflash", "eagle3"),
             block_size=7,
-            num_layers=3,  # DSpark / DFlash backbone depth (Eagle3 is always 1 layer)
+            num_layers=1,  # DSpark / DFlash backbone depth (Eagle3 is always 1 layer)
             markov_rank=64,
             num_anchors=64,
-            steps=400,
+            steps=400,  # the same budget for the three drafters
             batch_size=8,
+            micro_batch_size=4,  # gradients accumulated over 2 micro-batches
             seq_len=256,
             lr=3e-3,
             eval_every=100,
         ),
         calibrate=CalibrateStage(max_prompts=48, max_new_tokens=96),
-        evaluate=EvalStage(max_prompts_per_dataset=24, max_new_tokens=96, speed_prompts=4),
+        evaluate=EvalStage(
+            max_prompts_per_dataset=24,
+            max_new_tokens=96,
+            speed_prompts=4,
+            temperature=EVAL_TEMPERATURE,
+            temperatures=(0.0,),
+            speed_reps=7,
+        ),  # fmt: skip
     )

@@ -125,6 +125,11 @@ class EvalStage:
     # prompt + generation cap; 0 = the target's context (max_position_embeddings)
     max_len: int = 0
     speed_prompts: int = 8
+    # further temperatures at which the τ table is repeated (the main table, calibration, the
+    # analyses and the speed section use `temperature`); e.g. (0.0,) for greedy as well
+    temperatures: tuple[float, ...] = (0.0,)
+    # interleaved repetitions of the speed section's component timing (0 = no breakdown)
+    speed_reps: int = 7
 
 
 @dataclasses.dataclass(frozen=True)

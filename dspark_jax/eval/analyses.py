@@ -74,10 +74,12 @@ def bootstrap_tau(
     datasets = list(next(iter(results.values())))
     boots: dict[str, dict[str, np.ndarray]] = {d: {} for d in drafters}
     for ds in datasets:
-        n_req = len(results[drafters[0]][ds])
-        idx = rng.integers(0, n_req, size=(draws, n_req))  # shared across drafters (paired)
+        per = {d: _per_request(results[d][ds]) for d in drafters}
+        # requests that ended at the prefill (no round) carry no τ: resample the others
+        live = np.nonzero(np.all([per[d][1] > 0 for d in drafters], axis=0))[0]
+        idx = live[rng.integers(0, max(live.size, 1), size=(draws, live.size))]  # paired
         for d in drafters:
-            tok, rounds = _per_request(results[d][ds])
+            tok, rounds = per[d]
             boots[d][ds] = tok[idx].sum(1) / np.maximum(rounds[idx].sum(1), 1.0)
 
     def ci(x):
@@ -291,11 +293,13 @@ def policy_replay(
         policies["dspark_alg1"] = make_policy("dspark", cost=cost)
         policies["async_topk"] = make_policy("async", cost=cost)
     rng = np.random.default_rng(seed)
+    # the same groups of requests for every policy
+    orders = {bs: rng.permutation(len(per_req)) for bs in batch_sizes}
     out: dict = {"batch_sizes": list(batch_sizes), "policies": {}}
     for name, pol in policies.items():
         out["policies"][name] = {}
         for bs in batch_sizes:
-            order = rng.permutation(len(per_req)) if bs > 1 else np.arange(len(per_req))
+            order = orders[bs]
             tot = {"tokens": 0.0, "req_rounds": 0, "drafts": 0.0, "rounds": 0, "theta": 0.0}
             for lo in range(0, len(order), bs):
                 group = [per_req[i] for i in order[lo : lo + bs]]

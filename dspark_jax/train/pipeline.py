@@ -339,6 +339,7 @@ class Pipeline(StagedRun):
 
     def _stage_evaluate(self):
         from dspark_jax.eval import offline
+        from dspark_jax.eval import speed as evspeed
         from dspark_jax.train.data import select_prompts
 
         e = self.cfg.evaluate
@@ -392,15 +393,20 @@ class Pipeline(StagedRun):
         table = offline.tau_table(per_drafter, domains)
         if "dspark" in per_drafter and (self.stage_dir("calibrate") / "sts.json").exists():
             calib = self._calibration_report(all_results, datasets)
-        speed = None
+        by_temp = self._other_temperatures(decoders, datasets, domains, stop)
+        speed, breakdown = None, None
         if e.speed_prompts and self.cfg.drafters.kinds:
             kind = "dspark" if "dspark" in self.cfg.drafters.kinds else self.cfg.drafters.kinds[0]
             first = next(iter(datasets.values()))
-            speed = offline.speed_batch1(
+            if e.speed_reps:
+                breakdown = self._speed_breakdown(first.prompts[0], table)
+            self.log("  speed: plain vs speculative decoding at batch 1 (every bucket warmed)")
+            speed = evspeed.measured_speedup(
                 decoders[kind], tcfg, tparams, first.prompts[: e.speed_prompts],
                 max_new_tokens=e.max_new_tokens, temperature=e.temperature, stop_ids=stop,
             )  # fmt: skip
             speed = {"drafter": kind, **speed}
+        extra = self._analyses(all_results, datasets, domains, breakdown, table)
         report = {
             "config": self.cfg.name,
             # prompts evaluated / available / too long for the context, per dataset
@@ -409,18 +415,96 @@ class Pipeline(StagedRun):
             **table,
             "per_dataset": per_drafter,
             "calibration": calib,
+            "tau_by_temperature": by_temp,
             "speed_batch1": speed,
+            "speed_breakdown": breakdown,
+            **{k: v for k, v in extra.items() if not k.startswith("_")},
             "stage_seconds": self.timings,
         }
         out = self.stage_dir("evaluate")
         write_json_atomic(out / "report.json", report)
-        md = offline.markdown_report(table, per_drafter, speed, calib, coverage=coverage)
+        md = offline.markdown_report(table, per_drafter, None, calib, coverage=coverage)
+        md += "\n".join(extra["_markdown"] + _temperature_lines(by_temp)
+                        + evspeed.markdown_speed(breakdown, speed)) + "\n"  # fmt: skip
         write_text_atomic(out / "report.md", md)
-        tmp = out / "tau.tmp.png"
-        if offline.plot_report(table, per_drafter, tmp):
-            os.replace(tmp, out / "tau.png")
+        for name, plot in [("tau", lambda f: offline.plot_report(table, per_drafter, f)),
+                           *extra["_plots"]]:  # fmt: skip
+            tmp = out / f"{name}.tmp.png"
+            if plot(tmp):
+                os.replace(tmp, out / f"{name}.png")
         self.log("\n" + md)
         return {"macro": {k: v["macro"] for k, v in table["tau"].items()}}
+
+    def _other_temperatures(self, decoders, datasets, domains, stop) -> dict:
+        """The τ table at each of `evaluate.temperatures` other than `evaluate.temperature`."""
+        from dspark_jax.eval import offline
+
+        e = self.cfg.evaluate
+        out = {}
+        for t in e.temperatures:
+            if float(t) == float(e.temperature):
+                continue
+            per = {}
+            for kind, dec in decoders.items():
+                per[kind] = {}
+                for name, ds in datasets.items():
+                    res = offline.run_dataset(
+                        dec, ds, max_new_tokens=e.max_new_tokens, temperature=float(t),
+                        seed=e.seed, stop_ids=stop, batch_size=e.batch_size,
+                    )  # fmt: skip
+                    per[kind][name] = offline.summarize(res, dec.dcfg.block_size)
+            out[f"{float(t):g}"] = offline.tau_table(per, domains)
+            self.log(f"  T={float(t):g}: macro τ " + ", ".join(
+                f"{k} {v['macro']:.3f}" for k, v in out[f"{float(t):g}"]["tau"].items()))  # fmt: skip
+        return out
+
+    def _speed_breakdown(self, prompt, table) -> dict:
+        """The round's breakdown per drafter next to a plain decode step (eval/speed.py)."""
+        from dspark_jax.eval import speed as evspeed
+
+        e = self.cfg.evaluate
+        tcfg, tparams = self.target()
+        drafters = {k: self.drafter(k) for k in self.cfg.drafters.kinds}
+        self.log("  speed: timing the round's components (compiled, interleaved, medians)")
+        bd = evspeed.round_breakdown(
+            tcfg, tparams, drafters, prompt, temperature=e.temperature, reps=e.speed_reps
+        )
+        return evspeed.add_ideal(bd, {k: v["macro"] for k, v in table["tau"].items()})
+
+    def _analyses(self, all_results, datasets, domains, breakdown, table) -> dict:
+        """Bootstrap intervals, θ sweep, reliability, policies (eval/analyses.py); with the
+        markdown lines (`_markdown`) and the PNG writers (`_plots`)."""
+        from dspark_jax.eval import analyses
+        from dspark_jax.sched.cost import CostProfile
+
+        kinds = self.cfg.drafters.kinds
+        res = {k: {n: all_results[(k, n)] for n in datasets} for k in kinds}
+        boot = analyses.bootstrap_tau(res, domains)
+        out: dict = {"bootstrap": boot, "_markdown": [], "_plots": []}
+        out["_markdown"] += analyses.markdown_bootstrap(boot, table)
+        if "dspark" not in kinds:
+            return out
+        sts = self.rundir.sts("dspark")
+        temps = None if sts is None else sts.temperatures
+        pooled = [r for n in datasets for r in res["dspark"][n]]
+        sweep = analyses.threshold_sweep(res["dspark"])
+        rel = analyses.reliability_bins(pooled, temperatures=temps)
+        cost = self.rundir.cost_profile()
+        if cost is None and breakdown:
+            # affine fit of the measured verify forward vs tokens (batch 1) as the cost model
+            t = np.asarray([float(k) for k in breakdown["verify_forward_ms"]])
+            y = np.asarray(list(breakdown["verify_forward_ms"].values())) / 1e3
+            beta, alpha = np.polyfit(t, y, 1)
+            cost = CostProfile.from_step_time(max(alpha, 1e-6), max(beta, 1e-9))
+        pol = analyses.policy_replay(pooled, temperatures=temps, cost=cost)
+        out.update(threshold_sweep=sweep, reliability=rel, policies=pol)
+        out["_markdown"] += (analyses.markdown_threshold(sweep) + analyses.markdown_reliability(rel)
+                             + analyses.markdown_policies(pol))  # fmt: skip
+        out["_plots"] += [
+            ("analyses", lambda f: analyses.plot_analyses(sweep, pol, f)),
+            ("reliability", lambda f: analyses.plot_reliability(rel, f)),
+        ]
+        return out
 
     def _calibration_report(self, all_results, datasets):
         from dspark_jax.eval.offline import calibration_pairs
@@ -448,6 +532,19 @@ class Pipeline(StagedRun):
             "ece_raw": raw.ece_summary, "ece_sts": cal.ece_summary,
             "auroc": raw.auroc_summary, "per_position": rows,
         }  # fmt: skip
+
+
+def _temperature_lines(by_temp: dict) -> list[str]:
+    lines = []
+    for t, tab in by_temp.items():
+        lines += ["", f"## τ at temperature {t} (same prompts, fixed block)", ""]
+        lines.append("| drafter | " + " | ".join(next(iter(tab["tau"].values()))["domains"])
+                     + " | macro |")  # fmt: skip
+        lines.append("|---" * (len(next(iter(tab["tau"].values()))["domains"]) + 2) + "|")
+        for d, row in tab["tau"].items():
+            cells = [f"{v:.3f}" for v in row["domains"].values()]
+            lines.append(f"| {d} | " + " | ".join(cells) + f" | **{row['macro']:.3f}** |")
+    return lines
 
 
 def _round_up(n: int, m: int) -> int:
