@@ -1,0 +1,217 @@
+"""The serving frontier: per-user speed vs aggregate throughput under closed-loop load, per policy.
+
+One `ServingEngine` (slots = the largest concurrency, every bucket compiled once by warmup());
+policies are swapped on the host (`set_policy`, nothing recompiles). For each policy and each
+concurrency c, c client threads each submit a request, wait for it and submit the next, for
+`--rounds-per-client` requests each. Per point: per-user tokens/s (mean over requests of tokens /
+latency), aggregate tokens/s (all tokens / wall time), mean accepted length τ and draft tokens
+verified per round (from the engine's metrics).
+
+    python benchmarks/serving_frontier.py --run-dir runs/tiny          # the demo's models
+    python benchmarks/serving_frontier.py --synthetic                  # smoke run, test models
+
+Prints one JSON object with a `summary` (alg1_over_fixed_envelope_min,
+alg1_over_mtp1_at_matched_speed, retraces_after_warmup) and writes a PNG next to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from dspark_jax.engine import RequestParams, ServingEngine  # noqa: E402
+from dspark_jax.sched import CostProfile  # noqa: E402
+
+
+def load_models(args):
+    if args.synthetic:
+        from tests.engine_models import agreeing_pair
+
+        tcfg, tp, dcfg, dp = agreeing_pair(vocab=64, gamma=7, max_position_embeddings=1024)
+        cost = CostProfile.load(args.cost_profile) if args.cost_profile else None
+        return tcfg, tp, dcfg, dp, None, cost
+    from dspark_jax.run.rundir import RunDir
+
+    run = RunDir(args.run_dir)
+    tcfg, tp = run.target()
+    dcfg, dp = run.drafter("dspark")
+    cost = CostProfile.load(args.cost_profile) if args.cost_profile else run.cost_profile()
+    return tcfg, tp, dcfg, dp, run.sts("dspark"), cost
+
+
+def policies(gamma: int, threshold: float):
+    out = {"mtp1": ("mtp1", {})}
+    for g in (3, 7):
+        if g <= gamma:
+            out[f"fixed{g}"] = ("fixed", {"gamma": g})
+    if gamma not in (3, 7):
+        out[f"fixed{gamma}"] = ("fixed", {"gamma": gamma})
+    out["threshold"] = ("threshold", {"threshold": threshold})
+    out["alg1"] = ("alg1", {})
+    out["async"] = ("async", {})
+    return out
+
+
+def closed_loop(eng, prompts, c: int, per_client: int, max_new: int, seed0: int) -> dict:
+    lat, toks = [], []
+    lock = threading.Lock()
+
+    def client(i):
+        for k in range(per_client):
+            p = prompts[(i * per_client + k) % len(prompts)]
+            t0 = time.perf_counter()
+            h = eng.submit(p, RequestParams(max_new, temperature=0.0, seed=seed0 + i))
+            out = h.result(timeout=600)
+            dt = time.perf_counter() - t0
+            with lock:
+                lat.append(dt)
+                toks.append(len(out.tokens))
+
+    m0 = eng.metrics()
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    m1 = eng.metrics()
+    rounds = m1.rounds - m0.rounds
+    emitted = m1.accepted_tokens - m0.accepted_tokens
+    slot_rounds = (m1.draft_tokens - m0.draft_tokens) / eng.gamma  # request-rounds
+    return {
+        "concurrency": c,
+        "requests": len(lat),
+        "per_user_tokens_per_s": float(np.mean(np.asarray(toks) / np.asarray(lat))),
+        "aggregate_tokens_per_s": float(sum(toks) / wall),
+        "mean_accepted_length": float((emitted + slot_rounds) / max(slot_rounds, 1)),
+        "verified_tokens_per_round": float((m1.verified_tokens - m0.verified_tokens) / rounds),
+        "requests_per_round": float(slot_rounds / max(rounds, 1)),
+        "latency_p50_s": float(np.percentile(lat, 50)),
+    }
+
+
+def _aggregate_at(points, speed):
+    """Aggregate throughput of a policy's curve at a per-user speed (linear in between, clamped
+    at the ends)."""
+    pts = sorted(points, key=lambda p: p["per_user_tokens_per_s"])
+    x = [p["per_user_tokens_per_s"] for p in pts]
+    y = [p["aggregate_tokens_per_s"] for p in pts]
+    return float(np.interp(speed, x, y))
+
+
+def summarize(results: dict) -> dict:
+    fixed = [k for k in results if k.startswith("fixed")]
+    ratios_env, ratios_mtp = [], []
+    mtp = results.get("mtp1", [])
+    lo = min(p["per_user_tokens_per_s"] for p in mtp) if mtp else 0
+    hi = max(p["per_user_tokens_per_s"] for p in mtp) if mtp else 0
+    for p in results.get("alg1", []):
+        u, a = p["per_user_tokens_per_s"], p["aggregate_tokens_per_s"]
+        if fixed:
+            env = max(_aggregate_at(results[k], u) for k in fixed)
+            ratios_env.append(a / env)
+        if mtp and lo <= u <= hi:
+            ratios_mtp.append(a / _aggregate_at(mtp, u))
+    return {
+        "alg1_over_fixed_envelope_min": min(ratios_env) if ratios_env else None,
+        "alg1_over_fixed_envelope_per_concurrency": ratios_env,
+        "alg1_over_mtp1_at_matched_speed": max(ratios_mtp) if ratios_mtp else None,
+        "alg1_points_within_mtp1_speed_range": len(ratios_mtp),
+    }
+
+
+def plot(results: dict, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for name, pts in results.items():
+        pts = sorted(pts, key=lambda p: p["concurrency"])
+        ax.plot([p["aggregate_tokens_per_s"] for p in pts],
+                [p["per_user_tokens_per_s"] for p in pts], "o-", label=name)  # fmt: skip
+    ax.set_xlabel("aggregate tokens/s")
+    ax.set_ylabel("per-user tokens/s")
+    ax.set_title("serving frontier (closed loop, concurrency 1..N)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run-dir")
+    src.add_argument("--synthetic", action="store_true")
+    ap.add_argument("--cost-profile", default="")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--rounds-per-client", type=int, default=2, help="requests per client")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--policies", nargs="*", default=None)
+    ap.add_argument("--out", default="benchmarks/results/serving_frontier.json")
+    args = ap.parse_args(argv)
+
+    tcfg, tp, dcfg, dp, sts, cost = load_models(args)
+    n = max(args.concurrency)
+    max_len = args.prompt_len + args.max_new_tokens + dcfg.block_size + 8
+    eng = ServingEngine(
+        tcfg, dcfg, tp, dp, num_slots=n, max_len=max_len, prompt_buckets=(args.prompt_len,),
+        modes=("greedy",), policy="fixed", sts=sts,
+    )  # fmt: skip
+    if cost is None:
+        sys.path.insert(0, os.path.dirname(__file__))
+        import decode_cost
+
+        best = decode_cost.time_points(eng, decode_cost.measure_points(n, eng.gamma),
+                                       context=args.prompt_len, steps=6, repeats=2)  # fmt: skip
+        cost, _ = decode_cost.profile_from(eng, best, {})
+    t0 = time.perf_counter()
+    eng.warmup()
+    warm = eng.compilations
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, tcfg.vocab_size - 1, args.prompt_len).tolist() for _ in range(64)]
+    eng.start()
+    results = {}
+    table = policies(eng.gamma, args.threshold)
+    for name, (pol, kw) in table.items():
+        if args.policies and name not in args.policies:
+            continue
+        eng.set_policy(pol, cost_profile=cost, sts=sts, **kw)
+        results[name] = [
+            closed_loop(eng, prompts, c, args.rounds_per_client, args.max_new_tokens, 1000 * c)
+            for c in args.concurrency
+        ]
+        print(name, json.dumps(results[name][-1]), file=sys.stderr)
+    eng.shutdown(drain=True)
+    summary = summarize(results)
+    summary["retraces_after_warmup"] = eng.compilations - warm
+    summary["warmup_and_run_s"] = time.perf_counter() - t0
+    out = {"config": vars(args), "gamma": eng.gamma, "results": results, "summary": summary}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    plot(results, os.path.splitext(args.out)[0] + ".png")
+    print(json.dumps(out["summary"], indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
