@@ -97,6 +97,7 @@ class ServingEngine:
         max_queue: int = 256,
         root_seed: int = 0,
         modes=("greedy", "sampled"),
+        mesh=None,
     ):
         if dcfg.target.hidden_size != tcfg.hidden_size or dcfg.target.vocab_size != tcfg.vocab_size:
             raise ConfigError("drafter was built for a different target (hidden size / vocab)")
@@ -134,6 +135,11 @@ class ServingEngine:
         self._round = jax.jit(dev.packed_round, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
         self.state = dev.init_state(tcfg, dcfg, num_slots, max_len)
         self.slots = SlotTable(num_slots, g)
+        self.mesh = mesh
+        if mesh is not None:  # params and slot state by the logical-axis table
+            from dspark_jax.engine.sharding import shard_engine
+
+            shard_engine(self, mesh)
         self._lock = threading.RLock()  # queue, requests, counters
         self._step_lock = threading.Lock()  # one step at a time
         self._work = threading.Condition(self._lock)

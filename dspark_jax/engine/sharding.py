@@ -1,0 +1,111 @@
+"""The serving engine on a device mesh: target and drafter parameters and the slot state placed by
+the one logical-axis table (`parallel.LOGICAL_RULES`).
+
+    mesh = parallel.make_mesh(MeshConfig(data=1, tensor=8))      # tensor parallelism
+    eng = ServingEngine(tcfg, dcfg, tparams, dparams, num_slots=8, mesh=mesh)
+
+Parameters follow their `logical` metadata (vocab / heads / kv / mlp over "tensor", embed over
+"fsdp"). The slot state is batch-major: slots over ("data", "fsdp"), the target's and the
+drafter's K/V heads over "tensor", the pending draft distributions' vocabulary over "tensor". A
+dimension that its mesh axes do not divide is replicated (`parallel.logical_to_spec`), so any slot
+count and any head count run on any mesh.
+
+The engine's two device functions keep the state's layout from call to call: their outputs are
+pinned (`out_shardings`) to the very shardings the state was placed with, so a round never changes the
+arguments' shardings and never recompiles after warm-up. GSPMD inserts the collectives; greedy
+output equals one device's token for token (tests/test_engine_sharded.py).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from dspark_jax import parallel
+from dspark_jax.config import MeshConfig
+
+
+def mesh_from_flag(text: str) -> Mesh | None:
+    """`--mesh data,fsdp,tensor` (e.g. "1,1,8"; data may be -1 = the rest). Empty: every local
+    device in data parallel when there are several, else None (one device, no mesh)."""
+    from dspark_jax.config import ConfigError
+
+    if not text:
+        return parallel.make_mesh(MeshConfig()) if jax.device_count() > 1 else None
+    try:
+        data, fsdp, tensor = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--mesh {text!r} must be three integers data,fsdp,tensor — e.g. --mesh 1,1,8"
+        ) from None
+    return parallel.make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
+
+
+def _named(mesh: Mesh, logical, shape) -> NamedSharding:
+    return NamedSharding(mesh, parallel.logical_to_spec(logical, shape, mesh))
+
+
+def _context_shardings(ctx, mesh: Mesh):
+    """The drafter context: K/V [N, S, n_kv, d_h] (a tuple per layer for DSpark/DFlash, one array
+    for Eagle3), lengths [N], Eagle3's g [N, H]."""
+    kv = ("batch", "seq", "kv_heads", "head_dim")
+
+    def one(name, x):
+        if name in ("k", "v"):
+            return jax.tree.map(lambda a: _named(mesh, kv, a.shape), x)
+        return _named(mesh, ("batch",) + (None,) * (len(x.shape) - 1), x.shape)
+
+    return type(ctx)(**{name: one(name, getattr(ctx, name)) for name in ctx._fields})
+
+
+def state_shardings(state, mesh: Mesh):
+    """A `SlotState`-shaped tree of NamedShardings (`state` may be real or a `jax.eval_shape`)."""
+
+    def rows(x, *rest):
+        return _named(mesh, ("batch",) + rest + (None,) * (len(x.shape) - 1 - len(rest)), x.shape)
+
+    return type(state)(
+        cache=parallel.cache_shardings(state.cache, mesh),
+        ctx=_context_shardings(state.ctx, mesh),
+        anchor=rows(state.anchor),
+        rounds=rows(state.rounds),
+        prop_tokens=rows(state.prop_tokens),
+        prop_probs=rows(state.prop_probs, None, "vocab"),
+        prop_conf=rows(state.prop_conf),
+    )
+
+
+def place_params(params, mesh: Mesh):
+    """Target params (`nnx.State`) or `DrafterParams` (a NamedTuple of them) on `mesh`."""
+    if isinstance(params, tuple) and hasattr(params, "_fields"):
+        return type(params)(*(place_params(p, mesh) for p in params))
+    return parallel.shard_params(params, mesh)
+
+
+def shard_engine(engine, mesh: Mesh) -> None:
+    """Place a freshly built `ServingEngine`'s params and slot state on `mesh` and rebuild its two
+    jitted device functions so that the state keeps its layout (called from its __init__)."""
+    from dspark_jax.engine import device as dev
+
+    engine.mesh = mesh
+    engine.tparams = place_params(engine.tparams, mesh)
+    engine.dparams = place_params(engine.dparams, mesh)
+    sh = state_shardings(engine.state, mesh)
+    engine.state = jax.device_put(engine.state, sh)
+    engine.key = jax.device_put(engine.key, parallel.replicated(mesh))
+    repl = parallel.replicated(mesh)
+    # outputs pinned to the very sharding objects the state was placed with: the next call sees
+    # identical argument shardings (a `with_sharding_constraint` may spell them differently,
+    # e.g. P() vs P(None), which is a new jit cache entry)
+    engine._prefill = jax.jit(
+        dev.prefill_chunk,
+        static_argnums=(0, 1, 2),
+        donate_argnums=(5,),
+        out_shardings=(sh, repl, repl),
+    )
+    engine._round = jax.jit(
+        dev.packed_round,
+        static_argnums=(0, 1, 2, 3, 4),
+        donate_argnums=(7,),
+        out_shardings=(sh, repl),
+    )
