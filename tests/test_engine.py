@@ -219,3 +219,23 @@ def test_other_drafters_greedy_exact_with_chunked_prefill(kind):
         assert o.tokens == generate(tcfg, tp, [p], max_new_tokens=16)[0]
     with pytest.raises(ConfigError, match="confidence head"):
         eng.set_policy("alg1", cost_profile=COST)
+
+
+def test_alg1_fills_the_token_bucket_with_next_ranked_drafts():
+    from dspark_jax.engine.scheduling import Scheduler
+    from dspark_jax.sched import causal_greedy_lengths, top_k_lengths
+
+    steep = CostProfile.from_step_time(1.0, 5.0, max_tokens=64)  # Algorithm 1 admits little
+    sch = Scheduler(
+        "alg1", 4, policy_gamma=None, threshold=0.5, cost=steep, sts=None,
+        token_buckets=(4, 8, 16), has_confidence=True,
+    )  # fmt: skip
+    rho = np.random.default_rng(0).normal(1.0, 1.0, (3, 4))
+    caps = np.full(3, 4)
+    base = causal_greedy_lengths(sch.calibrate(rho), sch.policy.cost, caps)
+    got = sch.lengths(rho, caps)
+    total = 3 + int(base.sum())
+    bucket = next(b for b in (4, 8, 16) if b >= total)
+    assert int(got.sum()) + 3 == bucket  # the padding is used
+    assert np.all(got >= base)  # Algorithm 1's choice is kept
+    assert np.array_equal(got, top_k_lengths(sch.calibrate(rho), bucket - 3, caps))

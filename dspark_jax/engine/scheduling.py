@@ -91,6 +91,10 @@ class Scheduler:
             raise ConfigError(f"fixed gamma must be in 0..{gamma} (the drafter's block size)")
         self.policy = policy
         self.is_async = isinstance(policy, AsyncTopK)
+        # Algorithm 1 / top-K admit the K best-ranked drafts; the packed round pads R + K to a
+        # token bucket anyway, so the next-ranked drafts fill the padding for free.
+        self.fill_bucket = isinstance(policy, (AsyncTopK, CausalGreedy))
+        self.token_buckets = tuple(token_buckets)
         self._history: list[np.ndarray] = []  # calibrated conf of recent rounds (async)
         self._next_capacity: int | None = None
 
@@ -110,6 +114,8 @@ class Scheduler:
         else:
             out = self.policy(conf, max_len=caps)
         out = np.asarray(out)
+        if self.fill_bucket:
+            out = self._fill(conf, out, caps)
         if out.shape != (r,) or out.dtype.kind not in "iu":
             raise PolicyError(
                 f"policy returned lengths of shape {out.shape} dtype {out.dtype}; expected ({r},) "
@@ -122,6 +128,18 @@ class Scheduler:
                 "remaining tokens - 1); a length past γ would verify undrafted tokens"
             )
         return out.astype(np.int32)
+
+    def _fill(self, conf, lengths, caps) -> np.ndarray:
+        """Top-(K + padding) instead of top-K, where padding = the token bucket's free room.
+
+        Lossless like top-K itself: whether draft (r, j) is admitted depends on its rank and on
+        K, and K (Algorithm 1's early stop) only on candidates ranked before it."""
+        k = int(np.sum(lengths))
+        total = conf.shape[0] + k
+        bucket = next((b for b in self.token_buckets if b >= total), total)
+        if bucket <= total:
+            return lengths
+        return top_k_lengths(conf, k + bucket - total, caps)
 
     def prepare_next(self, num_requests: int) -> None:
         """Async: the next round's capacity from the confidences of the round before this one
