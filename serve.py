@@ -4,6 +4,7 @@
     python serve.py generate --run-dir runs/tiny --drafter dspark --prompt "What is 12 plus 30?"
     python serve.py generate --run-dir runs/tiny --prompt "..." --temperature 0 --policy dspark
     python serve.py serve --run-dir runs/tiny --host 127.0.0.1 --port 8000
+    python serve.py serve --run-dir runs/qwen3_4b_dspark --mesh 1,1,8   # tensor parallel, 8 devices
     python serve.py bench --url http://127.0.0.1:8000 --requests 1000
 
 Loads the target (HF checkpoint) and the drafter's best checkpoint from the run directory,
@@ -41,7 +42,11 @@ def main(argv=None) -> int:
     g.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from dspark_jax.engine import server_cli  # `serve` and `bench` (HTTP server, load test)
+    from dspark_jax.parallel import add_distributed_flags, init_distributed
 
+    g.add_argument("--mesh", default="", metavar="DATA,FSDP,TENSOR",
+                   help="device mesh, e.g. 1,1,8 = tensor parallel over 8 devices")  # fmt: skip
+    add_distributed_flags(g)  # every process gets the same prompts (SPMD)
     server_cli.add_subcommands(sub)
     args = ap.parse_args(argv)
     if args.cmd in ("serve", "bench"):
@@ -52,7 +57,10 @@ def main(argv=None) -> int:
     from dspark_jax.train.data import encode_prompt
 
     try:
-        run = RunDir(args.run_dir)
+        init_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed)
+        from dspark_jax.engine.sharding import mesh_from_flag
+
+        run = RunDir(args.run_dir, mesh=mesh_from_flag(args.mesh))
         tok = run.tokenizer()
         prompts = [encode_prompt(tok, p).tolist() for p in args.prompt]
         dec = run.decoder_for(args.drafter, [len(p) for p in prompts], args.max_new_tokens)

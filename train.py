@@ -4,6 +4,9 @@
     python train.py --config configs/tiny.py                       # the embedded demo
     python train.py --config configs/tiny.py --stages evaluate     # one stage (cached inputs)
     python train.py --config configs/qwen3_4b_dspark.py --set target.path=/models/Qwen3-4B ...
+    python train.py --config ... --set mesh.fsdp=2 --set mesh.tensor=4     # the device mesh
+    python train.py --config ... --coordinator host0:1234 --num-processes 2 --process-id 0
+                                                          # one command per host (--process-id i)
 
 Every stage caches its output in the run directory and resumes; `--set key=value` overrides any
 config field (unknown keys are errors); the final report is `<run_dir>/evaluate/report.{md,json}`.
@@ -52,14 +55,19 @@ def main(argv=None) -> int:
     ap.add_argument("--force", default="", help="comma-separated stages to redo even if cached")
     ap.add_argument("--run-dir", default="", help="override run_dir")
     ap.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from dspark_jax.parallel import add_distributed_flags, init_distributed
+
+    add_distributed_flags(ap)
     args = ap.parse_args(argv)
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from dspark_jax.pipeline_config import apply_overrides
     from dspark_jax.run.cli import report, user_errors
     from dspark_jax.train.pipeline import STAGES, Pipeline, stage_summary
 
     try:
+        # before anything touches devices
+        init_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed)
         cfg = load_config(args.config)
         sets = list(args.set) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
         cfg = apply_overrides(cfg, sets)

@@ -53,6 +53,9 @@ def add_subcommands(sub) -> None:
     s.add_argument("--max-len", type=int, default=1024, help="prompt + completion tokens, max")
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     s.add_argument("--seed", type=int, default=0, help="root seed of the engine's sampling")
+    s.add_argument("--mesh", default="", metavar="DATA,FSDP,TENSOR",
+                   help="device mesh, e.g. 1,1,8 = tensor parallel over 8 devices (default: all "
+                        "accelerator devices data parallel; one device on CPU)")  # fmt: skip
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM: seconds open requests may take to finish")  # fmt: skip
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -165,6 +168,7 @@ def build_engine(args):
     import jax
 
     from dspark_jax.engine.serving import ServingEngine
+    from dspark_jax.engine.sharding import mesh_from_flag
 
     t0 = time.perf_counter()
     tok, stop_ids, tcfg, tparams, dcfg, dparams, sts, run_cost, where, name = _load(args)
@@ -184,7 +188,7 @@ def build_engine(args):
     engine = ServingEngine(
         tcfg, dcfg, tparams, dparams, num_slots=args.num_slots, max_len=max_len,
         policy=policy, gamma=args.gamma, threshold=args.threshold, cost_profile=cost,
-        sts=sts, max_queue=args.max_queue, root_seed=args.seed,
+        sts=sts, max_queue=args.max_queue, root_seed=args.seed, mesh=mesh_from_flag(args.mesh),
     )  # fmt: skip
     log.info("loaded %s (drafter %s, γ=%d, policy %s) in %.1f s",
              name, dcfg.kind, dcfg.block_size, policy, time.perf_counter() - t0)  # fmt: skip

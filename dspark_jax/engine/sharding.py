@@ -26,12 +26,14 @@ from dspark_jax.config import MeshConfig
 
 
 def mesh_from_flag(text: str) -> Mesh | None:
-    """`--mesh data,fsdp,tensor` (e.g. "1,1,8"; data may be -1 = the rest). Empty: every local
-    device in data parallel when there are several, else None (one device, no mesh)."""
+    """`--mesh data,fsdp,tensor` (e.g. "1,1,8" = tensor parallelism over 8 devices; data may be
+    -1 = the rest). Empty: every device in data parallel on an accelerator with several, else
+    None (one device, no mesh; simulated CPU devices are not used unless asked for)."""
     from dspark_jax.config import ConfigError
 
     if not text:
-        return parallel.make_mesh(MeshConfig()) if jax.device_count() > 1 else None
+        several = jax.device_count() > 1 and jax.default_backend() != "cpu"
+        return parallel.make_mesh(MeshConfig()) if several else None
     try:
         data, fsdp, tensor = (int(x) for x in text.split(","))
     except ValueError:

@@ -33,8 +33,11 @@ LENGTH_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 class RunDir:
     """A trained run directory. `config` is read from `<path>/config.json` unless given."""
 
-    def __init__(self, path, config: PipelineConfig | None = None):
+    def __init__(self, path, config: PipelineConfig | None = None, mesh=None):
+        """`mesh` (a `jax.sharding.Mesh`, default None = one device): the target, the drafters
+        and the decoders are placed on it by the logical-axis table (`parallel.LOGICAL_RULES`)."""
         self.path = Path(path).expanduser().resolve()
+        self.mesh = mesh
         if config is None:
             config = self._read_config()
         self.config: PipelineConfig = config
@@ -126,7 +129,7 @@ class RunDir:
                     f"python train.py --config <preset> --run-dir {self.path}"
                 )
             self._cache["target"] = load_target(
-                path, target_layer_ids=self.config.target.target_layer_ids or None
+                path, target_layer_ids=self.config.target.target_layer_ids or None, mesh=self.mesh
             )
         return self._cache["target"]
 
@@ -171,7 +174,12 @@ class RunDir:
             dcfg = self.drafter_config(kind, tcfg)
             params = dr.init_params(dcfg, target_params=tparams)
             _, trainable, _ = load_best_params(self.drafter_dir(kind), params.trainable)
-            self._cache[key] = (dcfg, dr.DrafterParams(trainable, params.frozen))
+            params = dr.DrafterParams(trainable, params.frozen)
+            if self.mesh is not None:
+                from dspark_jax.parallel import shard_params
+
+                params = dr.DrafterParams(*(shard_params(p, self.mesh) for p in params))
+            self._cache[key] = (dcfg, params)
         return self._cache[key]
 
     def has_drafter(self, kind: str) -> bool:

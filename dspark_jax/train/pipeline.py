@@ -21,7 +21,26 @@ from dspark_jax.run.staged import STAGES, StagedRun
 
 
 class Pipeline(StagedRun):
-    """The seven stages; `run_stages` (StagedRun) runs them with caching."""
+    """The seven stages; `run_stages` (StagedRun) runs them with caching.
+
+    Every stage that runs a model uses `cfg.mesh`: the drafters stage's Trainer, and the target,
+    drafters and decoders of regeneration, calibration and evaluation (`RunDir(mesh=...)`, placed
+    by `parallel.LOGICAL_RULES`). A purely data-parallel mesh of simulated CPU devices is not used
+    for inference (it would only repeat the same work on every device): one device, as before.
+    """
+
+    def __init__(self, cfg, **kw):
+        super().__init__(cfg, **kw)
+        self.mesh = parallel.make_mesh(self.cfg.mesh)
+        self.rundir.mesh = self.inference_mesh()
+
+    def inference_mesh(self):
+        """The mesh of the inference stages (None: one device; see the class docstring)."""
+        m = self.mesh
+        model_parallel = m.shape["fsdp"] * m.shape["tensor"] > 1
+        if m.size == 1 or (not model_parallel and jax.default_backend() == "cpu"):
+            return None
+        return m
 
     # -- shared loaders (the run directory's, see dspark_jax.run.rundir) -----------------------
 
@@ -279,7 +298,7 @@ class Pipeline(StagedRun):
             trainer = Trainer.for_drafter(
                 d.train_config(seed=dcfg.seed), dcfg, tparams, train_data=train_s,
                 eval_data=eval_s, run_dir=self.stage_dir("drafters") / kind,
-                mesh=parallel.make_mesh(self.cfg.mesh),
+                mesh=self.mesh,
             )  # fmt: skip
             self.log(f"  training {kind}: {_count(trainer.trainable)} trainable parameters")
             res = trainer.run()

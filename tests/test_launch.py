@@ -1,0 +1,95 @@
+"""Multi-process launch: `jax.distributed.initialize` from flags or the environment (two real
+processes over loopback), one-line errors for incomplete flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark_jax.config import ConfigError
+from dspark_jax.parallel import init_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = """
+import json, sys
+from dspark_jax.parallel import add_distributed_flags, init_distributed, make_mesh
+import argparse, jax
+ap = argparse.ArgumentParser()
+add_distributed_flags(ap)
+a = ap.parse_args(sys.argv[1:])
+multi = init_distributed(a.coordinator, a.num_processes, a.process_id, a.distributed)
+mesh = make_mesh()  # every device of every process, data parallel
+print(json.dumps({"multi": multi, "index": jax.process_index(), "count": jax.process_count(),
+                  "devices": jax.device_count(), "local": jax.local_device_count(),
+                  "mesh": dict(mesh.shape)}))
+jax.distributed.shutdown()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_incomplete_flags_are_one_line_errors(monkeypatch):
+    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(k, raising=False)
+    assert init_distributed() is False  # single process: nothing initialised
+    with pytest.raises(ConfigError, match="need --coordinator"):
+        init_distributed(num_processes=2, process_id=0)
+    with pytest.raises(ConfigError, match="needs --num-processes N and --process-id"):
+        init_distributed("127.0.0.1:1", num_processes=2)
+    with pytest.raises(ConfigError, match="must be in 0 .. 1"):
+        init_distributed("127.0.0.1:1", num_processes=2, process_id=2)
+    env = dict(os.environ, TQDM_DISABLE="1")
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--num-processes", "2", "--process-id", "1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode != 0 and "need --coordinator" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+
+
+def test_two_processes_join_from_flags_and_from_the_environment(tmp_path):
+    """Process 0 from flags, process 1 from JAX_* environment variables: one 4-device mesh."""
+    port = _free_port()
+    base = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"
+    )
+    base["PYTHONPATH"] = os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")])
+    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        base.pop(k, None)
+    addr = f"127.0.0.1:{port}"
+    cmds = [
+        ([sys.executable, "-c", CHILD, "--coordinator", addr, "--num-processes", "2",
+          "--process-id", "0"], base),
+        ([sys.executable, "-c", CHILD],
+         dict(base, JAX_COORDINATOR_ADDRESS=addr, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")),
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c, e in cmds
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [o["index"] for o in outs] == [0, 1]
+    for o in outs:
+        assert o["multi"] and o["count"] == 2 and o["devices"] == 4 and o["local"] == 2
+        assert o["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
