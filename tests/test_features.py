@@ -160,3 +160,32 @@ def test_bad_caches_are_refused(tmp_path):
             run_dir=tmp_path / "run",
         )
     assert not (tmp_path / "run").exists()
+
+
+def test_cache_writer_per_process_shards_merge(tmp_path):
+    """Process k of n writes chunks c % n == k and its own index.p<k>.json; the reader merges
+    them into the same cache one process writes (here the two processes run one after the
+    other, each with the target on its own devices)."""
+    samples = make_samples(10, 256)
+    path = tmp_path / "cache"
+    part = _write(path, samples, process_index=1, process_count=2)
+    assert len(part) == 4 and sorted(p.name for p in path.glob("chunk_*")) == ["chunk_000001"]
+    _write(path, samples, process_index=0, process_count=2)
+    assert not (path / "index.json").exists()
+    assert sorted(p.name for p in path.glob("index.p*.json")) == [
+        "index.p00000.json",
+        "index.p00001.json",
+    ]
+    merged, single = FeatureCacheReader(path), _write(tmp_path / "single", samples)
+    assert len(merged) == len(single) == 10
+    for i in range(10):
+        a, b = merged.get(i), single.get(i)
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+    # a later single-process run resumes from the shards (nothing recomputed)
+    first = os.stat(path / "chunk_000001" / "features.npy")
+    assert len(_write(path, samples)) == 10
+    again = os.stat(path / "chunk_000001" / "features.npy")
+    assert (first.st_ino, first.st_mtime_ns) == (again.st_ino, again.st_mtime_ns)
+    with pytest.raises(ConfigError, match="process_index 2 must be in 0 .. 1"):
+        _write(path, samples, process_index=2, process_count=2)

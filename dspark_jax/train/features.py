@@ -21,6 +21,12 @@ Cache layout::
                  offsets.npy     [n + 1] int64  sample i is rows offsets[i]:offsets[i+1]
                  features.npy    [T, m*H]  bf16 stored as its uint16 bit pattern, or float32
                  hidden.npy      [T, H]
+
+Multi-process runs: process k of n computes only the chunks c with c % n == k and records them
+in its own `index.p0000k.json` (no two processes write one file); the reader merges `index.json`
+and every `index.p*.json` (same fingerprint). Each process must then hold the target on its own
+devices (e.g. `parallel.make_mesh(devices=jax.local_devices())`), since the processes run
+different batches.
 """
 
 from __future__ import annotations
@@ -104,6 +110,33 @@ def _chunk_name(c: int) -> str:
     return f"chunk_{c:06d}"
 
 
+def _index_files(out: Path) -> list[Path]:
+    """index.json (single-process writer) and index.p*.json (one per process), if present."""
+    return [p for p in [out / "index.json", *sorted(out.glob("index.p*.json"))] if p.is_file()]
+
+
+def _merged_index(out: Path) -> dict | None:
+    """Every index file of `out` merged (chunks united); None when there is none. Files written
+    for other data or settings raise `FeatureCacheError`."""
+    merged = None
+    for f in _index_files(out):
+        try:
+            index = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise FeatureCacheError(f"{f} is corrupt ({e}); rebuild the cache") from e
+        if merged is None:
+            merged = index
+            continue
+        keys = ("fingerprint", "chunk_size", "version", "dtype")
+        if any(index.get(k) != merged.get(k) for k in keys):
+            raise FeatureCacheError(
+                f"{f} belongs to another feature cache than {_index_files(out)[0]}; use a new "
+                "directory or delete this one"
+            )
+        merged["chunks"] = {**merged["chunks"], **index["chunks"]}
+    return merged
+
+
 def write_feature_cache(
     out_dir: str | os.PathLike,
     target_cfg: TargetConfig,
@@ -116,6 +149,8 @@ def write_feature_cache(
     dtype: str = "bfloat16",
     progress: bool = False,
     max_chunks: int | None = None,
+    process_index: int | None = None,
+    process_count: int | None = None,
 ) -> FeatureCacheReader:
     """Compute and store the target features of `samples` under `out_dir`; returns a reader.
 
@@ -123,8 +158,15 @@ def write_feature_cache(
     chunk size) keeps its completed chunks and only the missing ones are computed. A cache
     built for other data or another target raises `FeatureCacheError` instead of being mixed.
     `max_chunks` stops after writing that many new chunks (for tests of interruption).
-    Run it on one process; the forward is jitted with one compilation per bucket.
+    The forward is jitted with one compilation per bucket. In a multi-process run (default:
+    `jax.process_index()` of `jax.process_count()`) this process writes only its own chunks
+    (c % count == index) and its own `index.p<index>.json`; the returned reader sees every
+    process's chunks written so far.
     """
+    pi = jax.process_index() if process_index is None else process_index
+    pn = jax.process_count() if process_count is None else process_count
+    if not 0 <= pi < pn:
+        raise ConfigError(f"process_index {pi} must be in 0 .. {pn - 1}")
     if dtype not in _DTYPES:
         raise ConfigError(f"feature cache dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if not samples:
@@ -141,9 +183,9 @@ def write_feature_cache(
     out.mkdir(parents=True, exist_ok=True)
     fp = _fingerprint(samples, target_cfg, dtype)
     n_chunks = -(-len(samples) // chunk_size)
-    index_path = out / "index.json"
-    if index_path.exists():
-        index = json.loads(index_path.read_text())
+    index_path = out / ("index.json" if pn == 1 else f"index.p{pi:05d}.json")
+    index = _merged_index(out)
+    if index is not None:
         same = (
             index.get("fingerprint") == fp
             and index.get("chunk_size") == chunk_size
@@ -169,12 +211,16 @@ def write_feature_cache(
         }
     # Leftovers of an interrupted writer: temporary dirs, and chunk dirs renamed into place
     # whose index update never happened. Neither is trusted.
+    # Only this process's chunks: another process may be writing its own right now.
+    mine = {_chunk_name(c) for c in range(n_chunks) if c % pn == pi}
     for p in out.iterdir():
-        if p.is_dir() and (
-            ".tmp" in p.name or (p.name not in index["chunks"] and "chunk_" in p.name)
+        if (
+            p.is_dir()
+            and p.name.split(".")[0] in mine
+            and (".tmp" in p.name or p.name not in index["chunks"])
         ):
             shutil.rmtree(p)
-    todo = [c for c in range(n_chunks) if _chunk_name(c) not in index["chunks"]]
+    todo = [c for c in range(n_chunks) if c % pn == pi and _chunk_name(c) not in index["chunks"]]
     if max_chunks is not None:
         todo = todo[:max_chunks]
     bar = None
@@ -223,7 +269,7 @@ def write_feature_cache(
     if not index_path.exists():  # max_chunks=0 on a fresh cache
         with atomic_write(index_path) as fh:
             json.dump(index, fh, indent=1)
-    return FeatureCacheReader(out, allow_incomplete=max_chunks is not None)
+    return FeatureCacheReader(out, allow_incomplete=max_chunks is not None or pn > 1)
 
 
 class FeatureCacheReader:
@@ -236,16 +282,13 @@ class FeatureCacheReader:
 
     def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False):
         self.path = Path(path)
-        index_path = self.path / "index.json"
-        if not index_path.exists():
+        index = _merged_index(self.path) if self.path.is_dir() else None
+        if index is None:
             raise FeatureCacheError(
                 f"no feature cache at {self.path} (index.json missing); build it with "
                 "write_feature_cache"
             )
-        try:
-            self.index = json.loads(index_path.read_text())
-        except json.JSONDecodeError as e:
-            raise FeatureCacheError(f"{index_path} is corrupt ({e}); rebuild the cache") from e
+        self.index = index
         if self.index.get("version") != CACHE_VERSION:
             raise FeatureCacheError(
                 f"{self.path}: cache version {self.index.get('version')} is not {CACHE_VERSION}; "
