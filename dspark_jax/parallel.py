@@ -254,3 +254,15 @@ def init_distributed(
             "--num-processes and --process-id (the same coordinator on every host)"
         ) from None
     return jax.process_count() > 1
+
+
+def local_mesh(config: MeshConfig | None = None) -> Mesh:
+    """A mesh over this process's devices only (for work that differs between processes, e.g.
+    each process regenerating its own shard of the prompts): `config`'s fsdp x tensor when it
+    divides the local device count, else tensor parallel over every local device."""
+    config = config or MeshConfig()
+    devices = jax.local_devices()
+    fsdp, tensor = config.fsdp, config.tensor
+    if len(devices) % (fsdp * tensor):
+        fsdp, tensor = 1, len(devices)
+    return make_mesh(MeshConfig(data=-1, fsdp=fsdp, tensor=tensor), devices=devices)

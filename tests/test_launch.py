@@ -10,10 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
-from dspark_jax.config import ConfigError
-from dspark_jax.parallel import init_distributed
+from dspark_jax.config import ConfigError, MeshConfig
+from dspark_jax.parallel import init_distributed, local_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,3 +94,14 @@ def test_two_processes_join_from_flags_and_from_the_environment(tmp_path):
     for o in outs:
         assert o["multi"] and o["count"] == 2 and o["devices"] == 4 and o["local"] == 2
         assert o["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_local_mesh_for_per_process_work():
+    assert dict(local_mesh(MeshConfig(fsdp=2, tensor=4)).shape) == {
+        "data": 1,
+        "fsdp": 2,
+        "tensor": 4,
+    }
+    # a model-parallel size that this host cannot hold: tensor over every local device
+    assert dict(local_mesh(MeshConfig(tensor=16)).shape) == {"data": 1, "fsdp": 1, "tensor": 8}

@@ -211,7 +211,7 @@ class Pipeline(StagedRun):
         from dspark_jax.train.data import encode_prompt
 
         c = self.cfg.regenerate
-        tcfg, tparams = self.target()
+        tcfg, tparams = self._regen_target()
         tok = self.tokenizer()
         requests = self._regen_requests()
         prompts = [t for _, t in requests]
@@ -221,12 +221,20 @@ class Pipeline(StagedRun):
         shard_dir = self.stage_dir("regenerate") / "shards"
         shard_dir.mkdir(parents=True, exist_ok=True)
         shard = max(c.batch_size, 1) * 4
-        bar = tqdm(total=len(prompts), desc="regenerate", unit="prompt")
+        # multi-process: process k regenerates shards s % n == k into <s>.p<k>.jsonl
+        pi, pn = jax.process_index(), jax.process_count()
+        mine = [lo for lo in range(0, len(prompts), shard) if (lo // shard) % pn == pi]
+        bar = tqdm(
+            total=sum(len(prompts[lo : lo + shard]) for lo in mine),
+            desc="regenerate",
+            unit="prompt",
+        )
         written = 0
-        for lo in range(0, len(prompts), shard):
-            path = shard_dir / f"{lo // shard:05d}.jsonl"
+        for lo in mine:
+            s = lo // shard
+            path = shard_dir / (f"{s:05d}.jsonl" if pn == 1 else f"{s:05d}.p{pi}.jsonl")
             chunk = prompts[lo : lo + shard]
-            if path.exists():  # resumed: this shard was finished before
+            if any(shard_dir.glob(f"{s:05d}.*jsonl")):  # resumed: finished before (any process)
                 bar.update(len(chunk))
                 written += len(chunk)
                 continue
@@ -264,7 +272,26 @@ class Pipeline(StagedRun):
             written += len(chunk)
             bar.update(len(chunk))
         bar.close()
+        if pn > 1:  # every process's shards are written before anyone reads them
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("regenerate shards written")
         return {"prompts": len(prompts)}
+
+    def _regen_target(self):
+        """The target for regeneration: the run's (on the pipeline's mesh) in a single-process
+        run; with several processes each one regenerates different prompts, so each holds its
+        own copy on its local devices (`parallel.local_mesh`)."""
+        if jax.process_count() == 1:
+            return self.target()
+        if "regen_target" not in self.rundir._cache:
+            from dspark_jax.models.hf import load_target
+
+            self.rundir._cache["regen_target"] = load_target(
+                self.rundir.target_path(), mesh=parallel.local_mesh(self.cfg.mesh),
+                target_layer_ids=self.cfg.target.target_layer_ids or None,
+            )  # fmt: skip
+        return self.rundir._cache["regen_target"]
 
     def _regenerated(self):
         from dspark_jax.train.data import read_conversations
