@@ -67,8 +67,15 @@ def _params_from_knobs(
     return [RequestParams(int(max_new_tokens), t, k, p, m, sd, stop) for t, k, p, m, sd in cols]
 
 
-_SAMPLED = SamplingConfig(top_k=True, top_p=True, min_p=True)
-_GREEDY = SamplingConfig(greedy=True)
+# Compiled sampling modes, cheapest first: argmax; temperature only; top-k / top-p / min-p
+# filters (a sort over the vocabulary per row). A round runs in the cheapest mode that honours
+# all its requests; a request's tokens are the same in every mode that honours it.
+MODES = ("greedy", "sampled", "filtered")
+_SCFG = {
+    "greedy": SamplingConfig(greedy=True),
+    "sampled": SamplingConfig(),
+    "filtered": SamplingConfig(top_k=True, top_p=True, min_p=True),
+}
 
 
 def _buckets(values, top: int) -> tuple[int, ...]:
@@ -96,7 +103,7 @@ class ServingEngine:
         cache_buckets=None,
         max_queue: int = 256,
         root_seed: int = 0,
-        modes=("greedy", "sampled"),
+        modes=MODES,
         mesh=None,
     ):
         if dcfg.target.hidden_size != tcfg.hidden_size or dcfg.target.vocab_size != tcfg.vocab_size:
@@ -108,8 +115,8 @@ class ServingEngine:
                 f"max_len {max_len} exceeds the target's max_position_embeddings "
                 f"{tcfg.max_position_embeddings}"
             )
-        if not set(modes) <= {"greedy", "sampled"} or not modes:
-            raise ConfigError(f"modes must be a non-empty subset of ('greedy', 'sampled'): {modes}")
+        if not set(modes) <= set(MODES) or not modes:
+            raise ConfigError(f"modes must be a non-empty subset of {MODES}: {modes}")
         self.tcfg, self.dcfg, self.tparams, self.dparams = tcfg, dcfg, tparams, dparams
         self.gamma = g = dcfg.block_size
         self.num_slots, self.max_len, self.max_queue = num_slots, max_len, max_queue
@@ -133,6 +140,7 @@ class ServingEngine:
         self.key = jax.random.key(root_seed)
         self._prefill = jax.jit(dev.prefill_chunk, static_argnums=(0, 1, 2), donate_argnums=(5,))
         self._round = jax.jit(dev.packed_round, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
+        self._base_entries = self._cache_entries()
         self.state = dev.init_state(tcfg, dcfg, num_slots, max_len)
         self.slots = SlotTable(num_slots, g)
         self.mesh = mesh
@@ -180,13 +188,17 @@ class ServingEngine:
 
     # ---- compile accounting ------------------------------------------------------------------
 
-    @property
-    def compilations(self) -> int:
-        """Jit cache entries of this engine's device functions (each one a compilation)."""
+    def _cache_entries(self) -> int:
         return int(self._prefill._cache_size() + self._round._cache_size())
 
-    def _scfg(self, sampled: bool) -> SamplingConfig:
-        return _SAMPLED if sampled else _GREEDY
+    @property
+    def compilations(self) -> int:
+        """Jit cache misses of the engine's device functions since construction (each one a
+        compilation; programs another engine already compiled are cache hits, not counted)."""
+        return self._cache_entries() - self._base_entries
+
+    def _scfg(self, mode: str) -> SamplingConfig:
+        return _SCFG[mode]
 
     def warmup(self) -> None:
         """Compile every (mode, prompt bucket) prefill and (mode, token bucket, cache bucket)
@@ -196,9 +208,8 @@ class ServingEngine:
                 raise RuntimeError("warmup() must run before requests are admitted")
             n = self.num_slots
             for mode in self.modes:
-                sampled = mode == "sampled"
-                scfg = self._scfg(sampled)
-                sp1 = self._sp_rows([RequestParams(1)], sampled)
+                scfg = self._scfg(mode)
+                sp1 = self._sp_rows([RequestParams(1)], mode)
                 for c in self.prompt_buckets:
                     z = np.zeros(c, np.int32)
                     self.state, *_ = self._prefill(
@@ -206,7 +217,7 @@ class ServingEngine:
                         np.int32(0), z, z, np.int32(0), np.int32(1), np.bool_(True),
                         np.uint32(0), sp1, self.key,
                     )  # fmt: skip
-                sp = self._sp_rows([RequestParams(1)] * n, sampled)
+                sp = self._sp_rows([RequestParams(1)] * n, mode)
                 for t in self.token_buckets:
                     for s in self.cache_buckets:
                         self.state, out = self._round(
@@ -278,8 +289,8 @@ class ServingEngine:
         deltas += self._run_round(running)
         return deltas
 
-    def _sp_rows(self, params: list[RequestParams], sampled: bool):
-        if not sampled:
+    def _sp_rows(self, params: list[RequestParams], mode: str):
+        if mode == "greedy":
             return None
         return SamplingParams(
             np.asarray([p.temperature for p in params], np.float32),
@@ -288,18 +299,25 @@ class ServingEngine:
             np.asarray([p.min_p for p in params], np.float32),
         )
 
-    def _mode(self, sampled: bool) -> bool:
-        if sampled and "sampled" not in self.modes:
-            raise RuntimeError("a sampled request reached an engine built with modes=('greedy',)")
-        return sampled or "greedy" not in self.modes
+    def _mode(self, params) -> str:
+        """The cheapest compiled sampling mode that honours every request in `params`."""
+        need = 0
+        for p in params:
+            if p.temperature > 0:
+                filt = p.top_k > 0 or p.top_p < 1 or p.min_p > 0
+                need = max(need, 2 if filt else 1)
+        for mode in MODES[need:]:
+            if mode in self.modes:
+                return mode
+        raise RuntimeError(f"a request needs sampling mode {MODES[need]!r}; modes={self.modes}")
 
     def _prefill_requests(self, admitted: list[Request]) -> list[Delta]:
         outs = []
         big = self.prompt_buckets[-1]
         for req in admitted:
-            sampled = self._mode(req.params.temperature > 0)
-            scfg = self._scfg(sampled)
-            sp1 = self._sp_rows([req.params], sampled)
+            mode = self._mode([req.params])
+            scfg = self._scfg(mode)
+            sp1 = self._sp_rows([req.params], mode)
             p = req.prompt
             start = 0
             while start < len(p):
@@ -336,7 +354,7 @@ class ServingEngine:
         lengths[slots] = lens_r
         active = np.zeros(n, bool)
         active[slots] = True
-        sampled = self._mode(any(r.params.temperature > 0 for r in running))
+        mode = self._mode([r.params for r in running])
         params = [RequestParams(1)] * n
         seeds = np.zeros(n, np.uint32)
         for r in running:
@@ -347,8 +365,8 @@ class ServingEngine:
         need = max(r.pos + 1 + int(lengths[r.slot]) for r in running)
         s = next(b for b in self.cache_buckets if b >= need)
         self.state, out = self._round(
-            self.tcfg, self.dcfg, self._scfg(sampled), t, s, self.tparams, self.dparams,
-            self.state, lengths, active, seeds, self._sp_rows(params, sampled), self.key,
+            self.tcfg, self.dcfg, self._scfg(mode), t, s, self.tparams, self.dparams,
+            self.state, lengths, active, seeds, self._sp_rows(params, mode), self.key,
         )  # fmt: skip
         self.scheduler.prepare_next(len(running))  # overlaps the device's round
         emitted, acc, conf = jax.device_get(out)

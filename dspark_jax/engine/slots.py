@@ -119,6 +119,11 @@ def validate_request(engine, prompt_ids, params) -> list[int]:
     for s in params.stop_ids:
         if not isinstance(s, (int, np.integer)) or not 0 <= s < vocab:
             raise RequestError(f"stop_ids must be token ids in [0, {vocab}), got {s!r}")
-    if t > 0 and "sampled" not in engine.modes:
-        raise RequestError("this engine serves greedy requests only (temperature=0)")
+    try:
+        engine._mode([params])
+    except RuntimeError:
+        raise RequestError(
+            f"this engine was built with sampling modes {engine.modes}, which cannot serve "
+            "these sampling knobs; use temperature=0 (greedy) or build it with more modes"
+        ) from None
     return [int(x) for x in arr]
