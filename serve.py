@@ -64,12 +64,12 @@ def main(argv=None) -> int:
         tok = run.tokenizer()
         prompts = [encode_prompt(tok, p).tolist() for p in args.prompt]
         dec = run.decoder_for(args.drafter, [len(p) for p in prompts], args.max_new_tokens)
-        policy = _policy(args, run, dec)
+        _policy(args, run, dec)
         t0 = time.perf_counter()
         res = dec.generate(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seeds=[args.seed + i for i in range(len(prompts))],
-            stop_ids=run.stop_ids(), policy=policy,
+            stop_ids=run.stop_ids(),
         )  # fmt: skip
         dt = time.perf_counter() - t0
     except user_errors() as e:
@@ -95,33 +95,26 @@ def _positive_int(text: str) -> int:
 
 
 def _policy(args, run, dec):
+    """Set the engine's verification policy (fixed γ is the engine's default)."""
     if args.policy == "fixed":
-        return None
-    import numpy as np
-
-    from dspark_jax.sched import policies
+        return
     from dspark_jax.sched.sts import STS
 
     if dec.dcfg.kind != "dspark":
         raise ValueError(f"--policy {args.policy} needs confidences: use --drafter dspark")
     sts = run.sts("dspark") or STS.identity(dec.dcfg.block_size)
     if args.policy == "threshold":
-        pol = policies.StaticThreshold(args.threshold)
-    else:
-        from dspark_jax.sched.cost import CostProfile
+        dec.set_policy("threshold", threshold=args.threshold, sts=sts)
+        return
+    from dspark_jax.sched.cost import CostProfile
 
-        cost = CostProfile.load(args.cost_profile) if args.cost_profile else run.cost_profile()
-        if cost is None:
-            raise ValueError(
-                f"--policy dspark needs a cost profile — pass --cost-profile FILE or put one at "
-                f"{run.cost_profile_path()} (benchmarks/decode_cost.py writes it)"
-            )
-        pol = policies.CausalGreedy(cost)
-
-    def choose(conf_logits):
-        return pol(sts.probs(np.asarray(conf_logits)))
-
-    return choose
+    cost = CostProfile.load(args.cost_profile) if args.cost_profile else run.cost_profile()
+    if cost is None:
+        raise ValueError(
+            f"--policy dspark needs a cost profile — pass --cost-profile FILE or put one at "
+            f"{run.cost_profile_path()} (benchmarks/decode_cost.py writes it)"
+        )
+    dec.set_policy("alg1", cost_profile=cost, sts=sts)
 
 
 if __name__ == "__main__":

@@ -38,9 +38,27 @@ def run_dataset(
     batch_size: int = 8,
     progress=None,
 ) -> list[RequestResult]:
-    """Decode every prompt of `ds`; prompt i uses seed `seed + i` whatever batch it lands in."""
+    """Decode every prompt of `ds`; prompt i uses seed `seed + i` whatever batch it lands in.
+
+    A `ServingEngine` gets every prompt queued at once (continuous batching over its slots);
+    the static-batch `SpeculativeDecoder` gets padded chunks of `batch_size`."""
     out: list[RequestResult] = []
     prompts = [list(p) for p in ds.prompts]
+    if hasattr(decoder, "submit"):
+        for lo in range(0, len(prompts), 8 * batch_size):  # chunks only for the progress bar
+            chunk = prompts[lo : lo + 8 * batch_size]
+            out.extend(
+                decoder.generate(
+                    chunk,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    seeds=[seed + lo + j for j in range(len(chunk))],
+                    stop_ids=stop_ids,
+                )  # fmt: skip
+            )
+            if progress is not None:
+                progress.update(len(chunk))
+        return out
     for lo in range(0, len(prompts), batch_size):
         chunk = prompts[lo : lo + batch_size]
         seeds = [seed + lo + j for j in range(len(chunk))]

@@ -220,9 +220,10 @@ class RunDir:
         return ctx - max_new_tokens - self.config.drafters.block_size - 2
 
     def decoder(self, kind: str, max_len: int | None = None, length_buckets=None):
-        """A `SpeculativeDecoder` of the target and drafter `kind` (`max_len` defaults to
-        `evaluate.max_len`, 0 = the target's context)."""
-        from dspark_jax.engine.speculative import SpeculativeDecoder
+        """A `ServingEngine` of the target and drafter `kind` (`max_len` defaults to
+        `evaluate.max_len`, 0 = the target's context), `evaluate.batch_size` slots, fixed γ
+        (switch with `engine.set_policy`)."""
+        from dspark_jax.engine import ServingEngine
 
         max_len = max_len or self.config.evaluate.max_len or self.context_len()
         tcfg, tparams = self.target()
@@ -230,9 +231,10 @@ class RunDir:
         buckets = length_buckets or (
             tuple(b for b in LENGTH_BUCKETS if b < max_len) or (max_len // 2,)
         )
-        return SpeculativeDecoder(
-            tcfg, dcfg, tparams, dparams, max_len=max_len, length_buckets=tuple(buckets)
-        )
+        return ServingEngine(
+            tcfg, dcfg, tparams, dparams, num_slots=max(1, self.config.evaluate.batch_size),
+            max_len=max_len, prompt_buckets=tuple(buckets), policy="fixed", mesh=self.mesh,
+        )  # fmt: skip
 
     def decoder_for(self, kind: str, prompt_lens, max_new_tokens: int, cap: int = 0):
         """A decoder sized for these prompts: prompt buckets up to the longest prompt (at most the
