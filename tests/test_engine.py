@@ -239,3 +239,22 @@ def test_alg1_fills_the_token_bucket_with_next_ranked_drafts():
     assert int(got.sum()) + 3 == bucket  # the padding is used
     assert np.all(got >= base)  # Algorithm 1's choice is kept
     assert np.array_equal(got, top_k_lengths(sch.calibrate(rho), bucket - 3, caps))
+
+
+def test_no_retrace_with_committed_params_and_single_buckets(pair):
+    """Checkpoint-loaded parameters are committed device arrays; the first prefill after warmup
+    must hit the cache warmup() filled (regression: the initial slot state was uncommitted)."""
+    import jax
+
+    tcfg, tp, dcfg, dp = pair
+    tp, dp = jax.device_put((tp, dp), jax.devices()[0])
+    eng = ServingEngine(
+        tcfg, dcfg, tp, dp, num_slots=2, max_len=48, prompt_buckets=(8,), token_buckets=(10,),
+        modes=("greedy",),
+    )  # fmt: skip
+    eng.warmup()
+    n = eng.compilations
+    with CompileCounter() as cc:
+        eng.generate([[1, 2, 3], [4] * 11], RequestParams(8, temperature=0.0))
+    assert cc.count == 0, cc.names
+    assert eng.compilations == n

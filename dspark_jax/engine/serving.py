@@ -141,7 +141,11 @@ class ServingEngine:
         self._prefill = jax.jit(dev.prefill_chunk, static_argnums=(0, 1, 2), donate_argnums=(5,))
         self._round = jax.jit(dev.packed_round, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
         self._base_entries = self._cache_entries()
-        self.state = dev.init_state(tcfg, dcfg, num_slots, max_len)
+        # committed to the device like every later state (a jit output), so the first call
+        # does not compile a variant for uncommitted inputs that no later call uses
+        self.state = jax.device_put(
+            dev.init_state(tcfg, dcfg, num_slots, max_len), jax.devices()[0]
+        )
         self.slots = SlotTable(num_slots, g)
         self.mesh = mesh
         if mesh is not None:  # params and slot state by the logical-axis table
