@@ -3,6 +3,7 @@ layout and buckets are the engine's, so Algorithm 1 charges what the engine runs
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -37,6 +38,11 @@ def test_profile_layout_and_buckets_match_engine(tmp_path):
     )  # fmt: skip
     assert prof.token_buckets == eng.token_buckets == tuple(meta["token_buckets"])
     assert meta["num_slots"] == eng.num_slots and meta["gamma"] == eng.gamma
+    # Algorithm 1 walks the measured curve without the bucket cliffs (then fills the bucket);
+    # the async capacity search charges the buckets exactly
+    assert eng.scheduler.policy.cost == dataclasses.replace(prof, token_buckets=())
+    assert eng.scheduler.fill_bucket and eng.scheduler.token_buckets == prof.token_buckets
+    eng.set_policy("async", cost_profile=prof)
     assert eng.scheduler.policy.cost == prof  # used as measured, nothing re-bucketed
     assert set(prof.tokens) <= set(eng.token_buckets)  # every point is a bucket the engine runs
     assert all(t > 0 for t in prof.steps_per_s)

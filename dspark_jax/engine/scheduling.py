@@ -84,7 +84,12 @@ class Scheduler:
             elif policy == "threshold":
                 policy = StaticThreshold(float(threshold))
             elif policy == "alg1":
-                policy = CausalGreedy(engine_profile(cost, token_buckets))
+                # Algorithm 1's early stop cannot see past a bucket cliff (one more draft
+                # crossing into the next bucket looks like a loss even when the drafts that
+                # would fill that bucket pay for it), so it walks the interpolated (unbucketed)
+                # curve; the bucket's padding is then filled with the next-ranked drafts.
+                prof = engine_profile(cost, token_buckets)
+                policy = CausalGreedy(dataclasses.replace(prof, token_buckets=()))
             else:
                 policy = AsyncTopK(engine_profile(cost, token_buckets))
         if isinstance(policy, FixedGamma) and not 0 <= policy.gamma <= gamma:
