@@ -123,7 +123,17 @@ def summarize(results: dict) -> dict:
             ratios_env.append(a / env)
         if mtp and lo <= u <= hi:
             ratios_mtp.append(a / _aggregate_at(mtp, u))
+    same_c = []
+    for p in results.get("alg1", []):
+        best = max(
+            (q["aggregate_tokens_per_s"] for k in fixed for q in results[k]
+             if q["concurrency"] == p["concurrency"]),
+            default=None,
+        )  # fmt: skip
+        if best:
+            same_c.append(p["aggregate_tokens_per_s"] / best)
     return {
+        "alg1_over_best_fixed_same_concurrency": same_c,
         "alg1_over_fixed_envelope_min": min(ratios_env) if ratios_env else None,
         "alg1_over_fixed_envelope_per_concurrency": ratios_env,
         "alg1_over_mtp1_at_matched_speed": max(ratios_mtp) if ratios_mtp else None,
@@ -161,7 +171,7 @@ def main(argv=None):
     src.add_argument("--synthetic", action="store_true")
     ap.add_argument("--cost-profile", default="")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--rounds-per-client", type=int, default=2, help="requests per client")
+    ap.add_argument("--rounds-per-client", type=int, default=4, help="requests per client")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--threshold", type=float, default=0.5)
