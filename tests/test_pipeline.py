@@ -15,12 +15,13 @@ from dspark_jax.config import ConfigError
 from dspark_jax.pipeline_config import PipelineConfig, apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data" / "prompts"
 
 
-def _run(args, timeout=600):
+def _run(args, timeout=600, devices=1):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one device, like a user's run
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["TQDM_DISABLE"] = "1"
     p = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
@@ -112,22 +113,66 @@ def test_cli_reports_bad_config(tmp_path):
     assert not (tmp_path / "x").exists()  # nothing written before the error
 
 
+# The 4B preset's lengths and counts, scaled by one factor (rounded, at least 1) so that they run
+# on a tiny checkpoint on CPU: token lengths (regeneration, sequences, calibration, evaluation,
+# context cap), data and batch counts (prompts, batch and micro-batch sizes, anchors and the
+# anchor chunk, speed prompts/reps); drafter batch sizes then rounded up to whole sequences per
+# device of the mesh. 1/64 is the smallest factor whose sequences (64 tokens) still hold the
+# tiny tokenizer's rendered prompt (~53 tokens with Qwen's default system prompt) plus a few
+# answer tokens; the evaluation prompts are the training file's (short enough for the scaled
+# 128-token context cap).
+# Not scaled: the model (the tiny checkpoint and its feature layers replace Qwen3-4B's), the
+# drafter architecture (γ, layers, Markov rank), sampling settings and the mesh (the preset's
+# fsdp=2 x tensor=4 on 8 simulated devices); training length (steps, eval_every) is cut to 2,
+# which changes how long training runs, not what has to fit.
+PRESET_SCALE = 1 / 64
+_SCALED = {
+    "regenerate": ("max_new_tokens", "max_prompts", "batch_size"),
+    "drafters": ("num_anchors", "batch_size", "seq_len", "micro_batch_size", "anchor_chunk"),
+    "calibrate": ("max_prompts", "max_new_tokens"),
+    "evaluate": ("max_prompts_per_dataset", "max_new_tokens", "batch_size", "max_len",
+                 "speed_prompts", "speed_reps"),
+}  # fmt: skip
+
+
+def scaled_preset_overrides(cfg: PipelineConfig, factor: float = PRESET_SCALE) -> list[str]:
+    """`--set` overrides scaling every length and count of `cfg` listed in `_SCALED`; the
+    drafters' batch sizes are rounded up to a multiple of the (unscaled) mesh's data x fsdp,
+    which the trainer needs (whole sequences per device)."""
+    shards = max(cfg.mesh.data, 1) * cfg.mesh.fsdp
+    out = []
+    for stage, fields in _SCALED.items():
+        for f in fields:
+            v = getattr(getattr(cfg, stage), f)
+            if v > 0:  # 0 / -1 mean "all" / "the target's" and stay as they are
+                n = max(1, round(v * factor))
+                if stage == "drafters" and f in ("batch_size", "micro_batch_size"):
+                    n = -(-n // shards) * shards
+                out.append(f"{stage}.{f}={n}")
+    return out
+
+
 @pytest.mark.slow
 def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
-    """configs/qwen3_4b_dspark.py's code path on a tiny random Qwen3 checkpoint saved by
-    transformers, with user conversation files and DeepSpec prompt files."""
+    """configs/qwen3_4b_dspark.py end to end on a tiny random Qwen3 checkpoint saved by
+    transformers, every length and count as the preset sets them scaled by PRESET_SCALE, on the
+    preset's fsdp=2 x tensor=4 mesh (8 simulated CPU devices): every stage runs on the mesh."""
     torch = pytest.importorskip("torch")
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dspark_jax.train.tokenizer import tiny_tokenizer
 
+    ns: dict = {}
+    exec((ROOT / "configs" / "qwen3_4b_dspark.py").read_text(), ns)
+    preset = ns["config"]()
+    assert (preset.mesh.fsdp, preset.mesh.tensor) == (2, 4)
     ckpt = tmp_path / "qwen3-tiny"
     tok = tiny_tokenizer(tmp_path / "tokcache")
     tok.save_pretrained(ckpt)
     torch.manual_seed(0)
     hf_cfg = Qwen3Config(
         vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=True,
         max_position_embeddings=1024,
     )  # fmt: skip
     Qwen3ForCausalLM(hf_cfg).save_pretrained(ckpt)
@@ -138,24 +183,19 @@ def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
         for i in range(40)
     ]  # fmt: skip
     conv.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    evals = [str(SHARED / "gsm8k.jsonl"), str(SHARED / "mt-bench.jsonl")]
-    if not all(Path(e).exists() for e in evals):
-        evals = [str(conv)]
+    evals = [str(conv)]
     run_dir = tmp_path / "run"
     sets = [
-        f"target.path={ckpt}", "target.target_layer_ids=0,1,2",
+        f"target.path={ckpt}", "target.target_layer_ids=0,1,2",  # the model swap
         f"data.conversation_files={conv}", "data.eval_prompt_files=" + ",".join(evals),
-        "regenerate.max_prompts=8", "regenerate.max_new_tokens=16", "regenerate.batch_size=8",
-        "drafters.num_layers=1", "drafters.markov_rank=16", "drafters.num_anchors=8",
-        "drafters.steps=3", "drafters.batch_size=2", "drafters.micro_batch_size=2",
-        "drafters.seq_len=128", "mesh.fsdp=1", "mesh.tensor=1",  # one CPU device, not 8xH100
-        "drafters.eval_every=3", "calibrate.max_prompts=4", "calibrate.max_new_tokens=16",
-        "evaluate.max_prompts_per_dataset=2", "evaluate.max_new_tokens=16",
-        "evaluate.batch_size=2", "evaluate.max_len=1024", "evaluate.speed_prompts=1",
+        "drafters.steps=2", "drafters.eval_every=2",
+        *scaled_preset_overrides(preset),
     ]  # fmt: skip
+    assert "drafters.seq_len=64" in sets and "evaluate.max_len=128" in sets
+    assert "drafters.micro_batch_size=2" in sets  # 4/64 -> 1 -> whole sequences per fsdp shard
     args = ["--config", "configs/qwen3_4b_dspark.py", "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]
-    _run(args)
+    _run(args, devices=8, timeout=1200)
     rep = _check_report(run_dir)
     assert set(rep["datasets"]) == {Path(e).stem for e in evals}
