@@ -116,7 +116,7 @@ def test_cli_reports_bad_config(tmp_path):
 # The 4B preset's lengths and counts, scaled by one factor (rounded, at least 1) so that they run
 # on a tiny checkpoint on CPU: token lengths (regeneration, sequences, calibration, evaluation,
 # context cap), data and batch counts (prompts, batch and micro-batch sizes, anchors and the
-# anchor chunk, speed prompts/reps); drafter batch sizes then rounded up to whole sequences per
+# anchor chunk, speed prompts); drafter batch sizes then rounded up to whole sequences per
 # device of the mesh. 1/64 is the smallest factor whose sequences (64 tokens) still hold the
 # tiny tokenizer's rendered prompt (~53 tokens with Qwen's default system prompt) plus a few
 # answer tokens; the evaluation prompts are the training file's (short enough for the scaled
@@ -131,7 +131,7 @@ _SCALED = {
     "drafters": ("num_anchors", "batch_size", "seq_len", "micro_batch_size", "anchor_chunk"),
     "calibrate": ("max_prompts", "max_new_tokens"),
     "evaluate": ("max_prompts_per_dataset", "max_new_tokens", "batch_size", "max_len",
-                 "speed_prompts", "speed_reps"),
+                 "speed_prompts"),
 }  # fmt: skip
 
 
@@ -189,6 +189,7 @@ def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
         f"target.path={ckpt}", "target.target_layer_ids=0,1,2",  # the model swap
         f"data.conversation_files={conv}", "data.eval_prompt_files=" + ",".join(evals),
         "drafters.steps=2", "drafters.eval_every=2",
+        "evaluate.speed_reps=0",  # the timing breakdown: minutes of compiling on 8 CPU devices
         *scaled_preset_overrides(preset),
     ]  # fmt: skip
     assert "drafters.seq_len=64" in sets and "evaluate.max_len=128" in sets
