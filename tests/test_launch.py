@@ -105,3 +105,67 @@ def test_local_mesh_for_per_process_work():
     }
     # a model-parallel size that this host cannot hold: tensor over every local device
     assert dict(local_mesh(MeshConfig(tensor=16)).shape) == {"data": 1, "fsdp": 1, "tensor": 8}
+
+
+STAGED_CHILD = """
+import json, sys
+from pathlib import Path
+import jax
+from dspark_jax.parallel import init_distributed
+init_distributed(sys.argv[1], 2, int(sys.argv[2]))
+from dspark_jax.run.staged import StagedRun
+sys.path.insert(0, sys.argv[4])
+from train import load_config
+
+class Toy(StagedRun):
+    def _corpus_needed(self):
+        return []
+
+    def _stage_corpus(self):
+        d = self.stage_dir("corpus")
+        (d / f"p{jax.process_index()}.txt").write_text("x")  # every process writes its part
+        return {}
+
+cfg = load_config(str(Path(sys.argv[4]) / "configs" / "micro.py"))
+import dataclasses
+cfg = dataclasses.replace(cfg, run_dir=sys.argv[3])
+first = Toy(cfg, log=lambda *a: None).run_stages(("corpus",))
+again = Toy(cfg, log=lambda *a: None).run_stages(("corpus",))
+print(json.dumps({"first": first, "again": again}))
+jax.distributed.shutdown()
+"""
+
+
+def test_stage_transitions_in_a_two_process_run(tmp_path):
+    """Two processes run the same stage into one run directory: process 0 alone moves folders
+    (barriers around each transition), both processes' writes land in the finished output, and a
+    rerun finds it cached in both."""
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TQDM_DISABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    run = tmp_path / "run"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", STAGED_CHILD, f"127.0.0.1:{port}", str(i), str(run), str(ROOT)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for o in outs:
+        assert o == {"first": {"corpus": "ran"}, "again": {"corpus": "cached"}}
+    assert sorted(f.name for f in (run / "corpus").iterdir()) == ["done.json", "p0.txt", "p1.txt"]
+    assert not (run / "work").exists()

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
 from dspark_jax.config import ConfigError
 from dspark_jax.pipeline_config import PipelineConfig, absolute_paths
 from dspark_jax.run.io import FileHasher, canonical_hash, write_json_atomic
@@ -25,6 +27,19 @@ from dspark_jax.run.validate import validate_config, validate_inputs
 STAGES = ("corpus", "tokenizer", "target", "regenerate", "drafters", "calibrate", "evaluate")
 _TOKENIZER_FILES = ("tokenizer*.json", "*.jinja", "special_tokens_map.json", "vocab*", "merges*")
 _CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
+
+
+def _on_main(tag: str, fn):
+    """Run a run-directory transition (`fn`) on process 0 only; in a multi-process run every
+    process waits at a barrier until it is done, so all of them then see the same directory."""
+    if jax.process_count() == 1:
+        return fn()
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(f"dspark_stage_before_{tag}")
+    out = fn() if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices(f"dspark_stage_after_{tag}")
+    return out
 
 
 def _get(cfg, dotted: str):
@@ -159,20 +174,19 @@ class StagedRun:
             raise ConfigError(f"unknown stage(s) {unknown} — stages: {', '.join(STAGES)}")
         # a stage that is not run here must already be there for the stages that read it
         needed = {u for t in stages for u in self._reads(t)[2]} - set(stages)
-        missing = [s for s in STAGES if s in needed and not self.store.recover(s, self.key(s))]
+        missing = [s for s in STAGES if s in needed and not self._recover(s)]
         if missing:
             raise ConfigError(
                 f"stage(s) {', '.join(missing)} have no output for this configuration — run "
                 f"them first (--stages {','.join(missing)},...) or drop --stages"
             )
-        self.run.mkdir(parents=True, exist_ok=True)
-        self.hasher.save()
+        _on_main("setup", lambda: (self.run.mkdir(parents=True, exist_ok=True), self.hasher.save()))
         for s in STAGES:
             if s not in stages:
                 continue
             key = self.key(s)
             was_current = self.store.is_done(s, key)
-            if s not in force and self.store.recover(s, key):
+            if s not in force and self._recover(s):
                 self.status[s] = "cached"
                 self.log(f"[{s}] cached ({self.store.current(s)})")
                 if not was_current:  # restored from previous/: the outputs changed
@@ -180,7 +194,8 @@ class StagedRun:
                 continue
             changed = self._what_changed(s)
             self.log(f"[{s}] running" + (f" (changed: {changed})" if changed else ""))
-            self._building[s] = self.store.begin(s, key, force=s in force)
+            _on_main(f"begin_{s}", lambda s=s, key=key: self.store.begin(s, key, force=s in force))
+            self._building[s] = self.store.work(s, key)
             t0 = time.perf_counter()
             try:
                 info = getattr(self, f"_stage_{s}")()
@@ -188,7 +203,10 @@ class StagedRun:
                 self._building.pop(s)
             self.timings[s] = time.perf_counter() - t0
             info = {"seconds": self.timings[s], "inputs": self.inputs(s), **(info or {})}
-            self.store.commit(s, key, info, force=s in force)
+            _on_main(
+                f"commit_{s}",
+                lambda s=s, key=key, info=info: self.store.commit(s, key, info, force=s in force),
+            )
             self.rundir.forget()
             self._write_config()
             self.status[s] = "ran"
@@ -196,7 +214,13 @@ class StagedRun:
         self._write_config()
         return self.status
 
+    def _recover(self, stage: str) -> bool:
+        """`store.recover` done by process 0 (all processes then read the same answer)."""
+        key = self.key(stage)
+        _on_main(f"recover_{stage}", lambda: self.store.recover(stage, key))
+        return self.store.is_done(stage, key)
+
     def _write_config(self):
         """config.json describes the run directory's outputs: written when a stage's output
         changed (ran or restored) and when the run finished, never before a stage fails."""
-        write_json_atomic(self.run / "config.json", self.cfg.to_json())
+        _on_main("config", lambda: write_json_atomic(self.run / "config.json", self.cfg.to_json()))
