@@ -37,7 +37,6 @@ from dspark_jax.engine.requests import (
     RequestHandle,
     RequestOutput,
     RequestParams,
-    SpecStats,
 )
 from dspark_jax.engine.scheduling import Scheduler
 from dspark_jax.engine.slots import Request, SlotTable, validate_request
@@ -558,16 +557,3 @@ class ServingEngine:
                 requests_submitted=m["submitted"],
                 requests_rejected=m["rejected"],
             )
-
-
-__all__ = [
-    "ServingEngine",
-    "RequestParams",
-    "SpecStats",
-    "Delta",
-    "RequestOutput",
-    "RequestHandle",
-    "QueueFull",
-    "RequestError",
-    "EngineMetrics",
-]
