@@ -40,6 +40,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_processes(cmds, timeout):
+    """Start every (argv, env) at once; each must exit 0; their last stdout lines as JSON."""
+    procs = [
+        subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c, e in cmds
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
 def test_incomplete_flags_are_one_line_errors(monkeypatch):
     for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(k, raising=False)
@@ -75,21 +95,7 @@ def test_two_processes_join_from_flags_and_from_the_environment(tmp_path):
         ([sys.executable, "-c", CHILD],
          dict(base, JAX_COORDINATOR_ADDRESS=addr, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")),
     ]  # fmt: skip
-    procs = [
-        subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for c, e in cmds
-    ]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = _run_processes(cmds, timeout=120)
     assert [o["index"] for o in outs] == [0, 1]
     for o in outs:
         assert o["multi"] and o["count"] == 2 and o["devices"] == 4 and o["local"] == 2
@@ -144,27 +150,9 @@ def test_stage_transitions_in_a_two_process_run(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", TQDM_DISABLE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run = tmp_path / "run"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", STAGED_CHILD, f"127.0.0.1:{port}", str(i), str(run), str(ROOT)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for i in range(2)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    child = [sys.executable, "-c", STAGED_CHILD, f"127.0.0.1:{port}"]
+    cmds = [([*child, str(i), str(run), str(ROOT)], env) for i in range(2)]
+    outs = _run_processes(cmds, timeout=180)
     for o in outs:
         assert o == {"first": {"corpus": "ran"}, "again": {"corpus": "cached"}}
     assert sorted(f.name for f in (run / "corpus").iterdir()) == ["done.json", "p0.txt", "p1.txt"]
