@@ -63,7 +63,7 @@ def main(argv=None) -> int:
 
     from dspark_jax.pipeline_config import apply_overrides
     from dspark_jax.run.cli import report, user_errors
-    from dspark_jax.train.pipeline import STAGES, Pipeline, stage_summary
+    from dspark_jax.run.pipeline import STAGES, Pipeline, stage_summary
 
     try:
         # before anything touches devices

@@ -8,7 +8,7 @@ import json
 
 from configs.micro import config as micro_config
 from dspark_jax.pipeline_config import DataStage
-from dspark_jax.train.pipeline import Pipeline
+from dspark_jax.run.pipeline import Pipeline
 
 
 def test_sample_system_prompt_is_kept_and_no_default_for_the_demo_template(tmp_path):

@@ -10,9 +10,9 @@ import pytest
 
 from dspark_jax.config import ConfigError
 from dspark_jax.pipeline_config import apply_overrides
+from dspark_jax.run.pipeline import STAGES, Pipeline
 from dspark_jax.run.store import StageStore
 from dspark_jax.train.data import DataError
-from dspark_jax.train.pipeline import STAGES, Pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 

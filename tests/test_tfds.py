@@ -109,7 +109,7 @@ def test_prompts_auto_and_errors(data_dir):
 def test_pipeline_reads_data_tfds(data_dir, tmp_path):
     """`--set data.tfds=name:split` reaches the pipeline's training conversations."""
     from dspark_jax.pipeline_config import DataStage, PipelineConfig, apply_overrides
-    from dspark_jax.train.pipeline import Pipeline
+    from dspark_jax.run.pipeline import Pipeline
 
     cfg = PipelineConfig(run_dir=str(tmp_path / "run"), data=DataStage(tfds_data_dir=data_dir))
     cfg = apply_overrides(cfg, ["data.tfds=dspark_tiny_chats:train"])
