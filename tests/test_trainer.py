@@ -237,7 +237,8 @@ def test_resume_in_process_continues_the_same_trajectory(tmp_path):
     second.close()
 
 
-def test_progress_bar_shows_loss_and_eta(tmp_path, capsys):
+def test_progress_bar_shows_loss_and_eta(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)  # CI quiets tqdm for the demo run
     t = toy_trainer(tmp_path / "run", base_config(total_steps=2, progress_bar=True))
     t.run()
     t.close()
