@@ -21,7 +21,7 @@ import sys
 
 
 def load_config(path: str):
-    from dspark_jax.config import ConfigError
+    from dspark_jax.errors import ConfigError
     from dspark_jax.pipeline_config import PipelineConfig
 
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)

@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any
 
+from dspark_jax.errors import ConfigError
+
 ARCHITECTURES = ("qwen3", "qwen2", "llama")
 
 _HF_ARCH = {
@@ -18,10 +20,6 @@ _HF_ARCH = {
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
 }
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message says what to change."""
 
 
 def replace_checked(cfg, **overrides):

@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from dspark_jax.config import ConfigError, MeshConfig
+from dspark_jax.config import MeshConfig
+from dspark_jax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 

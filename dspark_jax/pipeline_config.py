@@ -14,7 +14,8 @@ import types
 import typing
 from typing import Any
 
-from dspark_jax.config import ConfigError, MeshConfig, TargetConfig, TrainConfig
+from dspark_jax.config import MeshConfig, TargetConfig, TrainConfig
+from dspark_jax.errors import ConfigError
 from dspark_jax.train.corpus import CorpusConfig
 
 

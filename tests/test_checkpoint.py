@@ -18,12 +18,8 @@ import numpy as np
 import pytest
 from toy_train import base_config, toy_trainer
 
-from dspark_jax.train.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    CheckpointWarning,
-    abstract_like,
-)
+from dspark_jax.errors import CheckpointError
+from dspark_jax.train.checkpoint import Checkpointer, CheckpointWarning, abstract_like
 
 HERE = Path(__file__).parent
 

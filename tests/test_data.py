@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dspark_jax.errors import DataError
 from dspark_jax.train.data import (
     Conversation,
-    DataError,
     Prompt,
     ReadStats,
     RenderConfig,

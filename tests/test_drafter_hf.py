@@ -11,7 +11,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from dspark_jax.drafters import api
-from dspark_jax.drafters.hf import CheckpointError, load_hf_drafter, save_hf_drafter
+from dspark_jax.drafters.hf import load_hf_drafter, save_hf_drafter
+from dspark_jax.errors import CheckpointError
 from dspark_jax.testing import tiny_drafter_config, tiny_target_config
 
 V, H, FF, NQ, NKV, D, R, M, LAYERS = 256, 64, 128, 4, 2, 16, 16, 3, 2

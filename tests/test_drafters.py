@@ -8,7 +8,7 @@ import optax
 import pytest
 from scipy import stats
 
-from dspark_jax.config import ConfigError, DrafterConfig
+from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters import api
 from dspark_jax.drafters.dflash import extend_block_context, init_block_context
 from dspark_jax.drafters.dspark import propose_block, teacher_forced
@@ -18,6 +18,7 @@ from dspark_jax.drafters.eagle3 import (
     propose_eagle3,
     ttt_hidden,
 )
+from dspark_jax.errors import ConfigError
 from dspark_jax.models import transformer as T
 from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
 from dspark_jax.testing import drafter_batch, tiny_drafter_config, tiny_target_config

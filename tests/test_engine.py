@@ -9,14 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from dspark_jax.config import ConfigError
-from dspark_jax.engine import (
-    PolicyError,
-    QueueFull,
-    RequestError,
-    RequestParams,
-    ServingEngine,
-)
+from dspark_jax.engine import QueueFull, RequestParams, ServingEngine
+from dspark_jax.errors import ConfigError, PolicyError, RequestError
 from dspark_jax.models.generate import generate
 from dspark_jax.sched import CostProfile, FixedGamma
 from dspark_jax.testing import CompileCounter

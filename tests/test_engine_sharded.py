@@ -7,9 +7,10 @@ import jax
 import pytest
 
 from dspark_jax import drafters, parallel
-from dspark_jax.config import ConfigError, DrafterConfig, MeshConfig
+from dspark_jax.config import DrafterConfig, MeshConfig
 from dspark_jax.engine import RequestParams, ServingEngine
 from dspark_jax.engine.sharding import mesh_from_flag
+from dspark_jax.errors import ConfigError
 from dspark_jax.testing import CompileCounter, random_params, tiny_target_config
 from tests.engine_models import agreeing_pair
 

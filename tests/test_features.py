@@ -13,14 +13,9 @@ import numpy as np
 import pytest
 from toy_train import base_config, make_samples, tiny_target, toy_loss, toy_params, toy_trainer
 
-from dspark_jax.config import ConfigError
+from dspark_jax.errors import ConfigError, FeatureCacheError
 from dspark_jax.testing import tiny_target_config
-from dspark_jax.train.features import (
-    FeatureCacheError,
-    FeatureCacheReader,
-    _features_jit,
-    write_feature_cache,
-)
+from dspark_jax.train.features import FeatureCacheReader, _features_jit, write_feature_cache
 from dspark_jax.train.loader import MicroBatch, load_rows
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from dspark_jax.errors import RequestError
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.generate import generate
-from dspark_jax.models.validate import RequestError
 from dspark_jax.spec.sampling import SamplingConfig, validate_sampling_params
 from dspark_jax.testing import CompileCounter, tiny_target_config
 

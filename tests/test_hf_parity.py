@@ -22,15 +22,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dspark_jax.config import MeshConfig  # noqa: E402
-from dspark_jax.models.hf import (  # noqa: E402
-    CheckpointError,
-    check_checkpoint,
-    load_target,
-    load_tokenizer,
-    save_target_hf,
-)
+from dspark_jax.errors import CheckpointError, RequestError  # noqa: E402
+from dspark_jax.models.hf import check_checkpoint, load_target, load_tokenizer, save_target_hf  # noqa: E402
 from dspark_jax.models.transformer import forward_jit, init_cache  # noqa: E402
-from dspark_jax.models.validate import RequestError, check_request_fits  # noqa: E402
+from dspark_jax.models.validate import check_request_fits  # noqa: E402
 from dspark_jax.testing import positions_like, random_params, tiny_target_config  # noqa: E402
 
 ARCHS = ("qwen3", "qwen2", "llama")

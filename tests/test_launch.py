@@ -13,7 +13,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from dspark_jax.config import ConfigError, MeshConfig
+from dspark_jax.config import MeshConfig
+from dspark_jax.errors import ConfigError
 from dspark_jax.parallel import init_distributed, local_mesh
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,8 @@ import pytest
 from toy_train import base_config, make_samples, one_device_mesh, tiny_target
 
 from dspark_jax import parallel
-from dspark_jax.config import ConfigError, DrafterConfig, MeshConfig, TargetConfig
+from dspark_jax.config import DrafterConfig, MeshConfig, TargetConfig
+from dspark_jax.errors import ConfigError
 from dspark_jax.train import memory
 from dspark_jax.train.trainer import Trainer
 

@@ -10,7 +10,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax import parallel
-from dspark_jax.config import ConfigError, MeshConfig
+from dspark_jax.config import MeshConfig
+from dspark_jax.errors import ConfigError
 from dspark_jax.models.transformer import forward_jit, init_cache, init_params
 from dspark_jax.testing import positions_like, random_params, random_tokens, tiny_target_config
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_jax.config import ConfigError
+from dspark_jax.errors import ConfigError
 from dspark_jax.pipeline_config import PipelineConfig, apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dspark_jax.config import ConfigError
+from dspark_jax.errors import ConfigError, DataError
 from dspark_jax.pipeline_config import apply_overrides
 from dspark_jax.run.pipeline import STAGES, Pipeline
 from dspark_jax.run.store import StageStore
-from dspark_jax.train.data import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 

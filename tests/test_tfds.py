@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from dspark_jax.errors import DataError
 from dspark_jax.train.data import (
     Conversation,
-    DataError,
     Prompt,
     parse_tfds_spec,
     read_conversations,

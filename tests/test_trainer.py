@@ -19,11 +19,12 @@ from toy_train import (
 )
 
 from dspark_jax import parallel
-from dspark_jax.config import ConfigError, DrafterConfig, MeshConfig, TrainConfig
+from dspark_jax.config import DrafterConfig, MeshConfig, TrainConfig
+from dspark_jax.errors import ConfigError, DatasetError
 from dspark_jax.testing import CompileCounter, tiny_target_config
 from dspark_jax.train import trainer as trainer_mod
 from dspark_jax.train.data import TokenizedSample
-from dspark_jax.train.loader import DataLoader, DatasetError, InMemorySource, load_rows
+from dspark_jax.train.loader import DataLoader, InMemorySource, load_rows
 from dspark_jax.train.trainer import check_compatible, lr_schedule, simulated_tau
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.config import ConfigError, DrafterConfig
+from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters.common import DrafterParams, FrozenParam, Proposal
 from dspark_jax.drafters.dflash import (
     BlockContext,
@@ -24,6 +24,7 @@ from dspark_jax.drafters.eagle3 import (
     init_eagle3_context,
     propose_eagle3,
 )
+from dspark_jax.errors import ConfigError
 from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
 
 

@@ -38,14 +38,14 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from dspark_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.api import graphdef, init_params
 from dspark_jax.drafters.common import DrafterParams
+from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.models.hf import (
     _FLOAT_DTYPES,
     _NP_DTYPE,
     SAFETENSORS,
-    CheckpointError,
     _atomic,
     _headers,
     _to_host,

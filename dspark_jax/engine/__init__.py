@@ -5,14 +5,13 @@ from dspark_jax.engine.requests import (
     Delta,
     EngineMetrics,
     QueueFull,
-    RequestError,
     RequestHandle,
     RequestOutput,
     RequestParams,
     SpecStats,
 )
-from dspark_jax.engine.scheduling import PolicyError
 from dspark_jax.engine.serving import ServingEngine
+from dspark_jax.errors import PolicyError, RequestError
 
 __all__ = [
     "Delta",

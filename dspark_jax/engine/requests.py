@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 
-from dspark_jax.models.validate import RequestError
+from dspark_jax.errors import RequestError
 
 __all__ = [
     "RequestParams",

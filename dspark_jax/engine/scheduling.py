@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from dspark_jax.config import ConfigError
+from dspark_jax.errors import ConfigError, PolicyError
 from dspark_jax.sched.cost import CostProfile
 from dspark_jax.sched.policies import (
     AsyncTopK,
@@ -25,10 +25,6 @@ from dspark_jax.sched.policies import (
 from dspark_jax.sched.sts import STS
 
 POLICY_NAMES = ("mtp1", "fixed", "threshold", "alg1", "async")
-
-
-class PolicyError(ValueError):
-    """A policy returned lengths the engine cannot verify losslessly."""
 
 
 def engine_profile(cost: CostProfile | None, token_buckets: tuple[int, ...]) -> CostProfile:

@@ -45,7 +45,7 @@ from dspark_jax.engine.http_protocol import (
 from dspark_jax.engine.http_text import IncrementalDetokenizer, StopStrings
 from dspark_jax.engine.requests import QueueFull, RequestParams
 from dspark_jax.engine.server_metrics import ServerMetrics
-from dspark_jax.models.validate import RequestError
+from dspark_jax.errors import RequestError
 
 MAX_BODY_BYTES = 4 << 20
 

@@ -27,19 +27,18 @@ import time
 import jax
 import numpy as np
 
-from dspark_jax.config import ConfigError
 from dspark_jax.engine import device as dev
 from dspark_jax.engine.requests import (
     Delta,
     EngineMetrics,
     QueueFull,
-    RequestError,
     RequestHandle,
     RequestOutput,
     RequestParams,
 )
 from dspark_jax.engine.scheduling import Scheduler
 from dspark_jax.engine.slots import Request, SlotTable, validate_request
+from dspark_jax.errors import ConfigError, RequestError
 from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
 
 

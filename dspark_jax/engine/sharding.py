@@ -29,7 +29,7 @@ def mesh_from_flag(text: str) -> Mesh | None:
     """`--mesh data,fsdp,tensor` (e.g. "1,1,8" = tensor parallelism over 8 devices; data may be
     -1 = the rest). Empty: every device in data parallel on an accelerator with several, else
     None (one device, no mesh; simulated CPU devices are not used unless asked for)."""
-    from dspark_jax.config import ConfigError
+    from dspark_jax.errors import ConfigError
 
     if not text:
         several = jax.device_count() > 1 and jax.default_backend() != "cpu"

@@ -8,7 +8,7 @@ from collections import deque
 import numpy as np
 
 from dspark_jax.engine.requests import RequestHandle, RequestParams, SpecStats
-from dspark_jax.models.validate import RequestError
+from dspark_jax.errors import RequestError
 
 
 @dataclasses.dataclass(eq=False)

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax import drafters
-from dspark_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.errors import ConfigError
 from dspark_jax.models.generate import sample_tokens
 from dspark_jax.models.transformer import KVCache, forward, init_cache
 from dspark_jax.spec import rng as rng_lib

@@ -41,8 +41,9 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
+from dspark_jax.errors import RequestError
 from dspark_jax.models import transformer as tf
-from dspark_jax.models.validate import RequestError, check_request_fits
+from dspark_jax.models.validate import check_request_fits
 from dspark_jax.spec.sampling import (
     SamplingConfig,
     SamplingParams,

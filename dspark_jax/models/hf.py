@@ -38,7 +38,8 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from dspark_jax.config import ConfigError, TargetConfig
+from dspark_jax.config import TargetConfig
+from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.models.transformer import Transformer
 
 SAFETENSORS = "model.safetensors"
@@ -49,10 +50,6 @@ _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _NP_DTYPE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 _HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _LAYER_IDS_KEY = "dspark_target_layer_ids"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (or tokenizer) we cannot load; the message says what is wrong and the fix."""
 
 
 # ------------------------------------------------------------------------------------------------

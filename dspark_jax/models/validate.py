@@ -12,10 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dspark_jax.config import TargetConfig
-
-
-class RequestError(ValueError):
-    """A generation request that cannot be served as configured; the message names the fix."""
+from dspark_jax.errors import RequestError
 
 
 def check_request_fits(

@@ -16,12 +16,8 @@ EXIT_USER_ERROR = 2
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean "the input is wrong", not "the program is wrong".
 
-    All the project's own error types derive from one of these (ConfigError, DataError,
-    DatasetError, RequestError, FeatureCacheError and models.hf.CheckpointError are
-    ValueErrors; train.checkpoint.CheckpointError is a RuntimeError and listed by name)."""
-    from dspark_jax.train.checkpoint import CheckpointError
-
-    return (ValueError, OSError, CheckpointError)
+    All the project's own error types (dspark_jax/errors.py) are ValueErrors."""
+    return (ValueError, OSError)
 
 
 def format_error(e: BaseException) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dspark_jax import parallel
-from dspark_jax.config import ConfigError
+from dspark_jax.errors import ConfigError
 from dspark_jax.run.io import write_json_atomic, write_text_atomic
 from dspark_jax.run.rundir import LENGTH_BUCKETS
 from dspark_jax.run.staged import STAGES, StagedRun

@@ -21,9 +21,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dspark_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.pipeline_config import PipelineConfig, from_json
-from dspark_jax.train.checkpoint import CheckpointError
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 # prompt-length buckets of the evaluation / generation decoder (those below max_len are used)
@@ -239,7 +239,7 @@ class RunDir:
     def decoder_for(self, kind: str, prompt_lens, max_new_tokens: int, cap: int = 0):
         """A decoder sized for these prompts: prompt buckets up to the longest prompt (at most the
         target's context minus the generation budget), cache just long enough."""
-        from dspark_jax.models.validate import RequestError
+        from dspark_jax.errors import RequestError
 
         limit = self.prompt_limit(max_new_tokens, cap)
         longest = max(prompt_lens)

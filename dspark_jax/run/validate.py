@@ -14,9 +14,9 @@ import types
 import typing
 from pathlib import Path
 
-from dspark_jax.config import MARKOV_HEAD_TYPES, ConfigError, TargetConfig
+from dspark_jax.config import MARKOV_HEAD_TYPES, TargetConfig
+from dspark_jax.errors import ConfigError, DataError
 from dspark_jax.pipeline_config import PipelineConfig
-from dspark_jax.train.data import DataError
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 

@@ -33,14 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from dspark_jax.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 _COMMIT_FILE = "_CHECKPOINT_METADATA"
 _ITEMS = ("state", "meta")
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint where one was expected; the message says what to do."""
 
 
 class CheckpointWarning(UserWarning):

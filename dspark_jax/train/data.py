@@ -36,6 +36,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from dspark_jax.errors import DataError
+
 # Role names as they appear in sources → our two roles. Anything else is dropped (REFERENCE §1.1).
 ROLE_MAP: dict[str, str] = {
     "user": "user",
@@ -51,16 +53,6 @@ DEFAULT_BUCKETS: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
 EVAL_PROMPT_SEED = 980406  # REFERENCE §6.1: rows shuffled with random.Random(980406) before capping
 
 Id = int | str | None
-
-
-class DataError(ValueError):
-    """A data file that cannot be used; the message names the file and the 1-based line."""
-
-    def __init__(self, path: str | os.PathLike, line: int | None, message: str):
-        self.path = str(path)
-        self.line = line
-        where = f"{self.path}:{line}" if line is not None else self.path
-        super().__init__(f"{where}: {message}")
 
 
 # ------------------------------------------------------------------------------------------------

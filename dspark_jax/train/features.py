@@ -45,7 +45,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from dspark_jax.config import ConfigError, TargetConfig
+from dspark_jax.config import TargetConfig
+from dspark_jax.errors import ConfigError, FeatureCacheError
 from dspark_jax.models import transformer
 from dspark_jax.train.data import DEFAULT_BUCKETS, TokenizedSample, atomic_write, pad_to_bucket
 
@@ -53,10 +54,6 @@ log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-
-
-class FeatureCacheError(ValueError):
-    """A feature cache that cannot be used as asked; the message says what to do."""
 
 
 def target_features(

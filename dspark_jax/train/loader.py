@@ -36,14 +36,10 @@ from typing import Protocol
 
 import numpy as np
 
-from dspark_jax.config import ConfigError
+from dspark_jax.errors import ConfigError, DatasetError
 from dspark_jax.train.data import TokenizedSample, choose_bucket
 
 log = logging.getLogger(__name__)
-
-
-class DatasetError(ValueError):
-    """A training or evaluation set that cannot be used; the message says what to change."""
 
 
 class SampleSource(Protocol):

@@ -31,7 +31,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from dspark_jax.config import ConfigError, DrafterConfig, TargetConfig, TrainConfig
+from dspark_jax.config import DrafterConfig, TargetConfig, TrainConfig
+from dspark_jax.errors import ConfigError
 
 GIB = 1024**3
 HEADROOM = 0.9  # fraction of a device's memory a plan may use (XLA workspace, fragmentation)

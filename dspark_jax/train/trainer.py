@@ -51,10 +51,11 @@ import optax
 from flax import nnx
 
 from dspark_jax import parallel
-from dspark_jax.config import ConfigError, DrafterConfig, MeshConfig, TargetConfig, TrainConfig
+from dspark_jax.config import DrafterConfig, MeshConfig, TargetConfig, TrainConfig
+from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.train import loader as loader_lib
 from dspark_jax.train import memory as memory_lib
-from dspark_jax.train.checkpoint import Checkpointer, CheckpointError, abstract_like
+from dspark_jax.train.checkpoint import Checkpointer, abstract_like
 from dspark_jax.train.data import atomic_write
 from dspark_jax.train.features import FeatureCacheReader, target_features
 
