@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_jax.errors import DataError
+from dspark_jax.io import atomic_write
 from dspark_jax.train.data import (
     Conversation,
     Prompt,
@@ -19,7 +20,6 @@ from dspark_jax.train.data import (
     RenderConfig,
     TokenizedSample,
     assistant_char_spans,
-    atomic_write,
     encode_conversation,
     encode_conversations,
     encode_prompt,

@@ -42,15 +42,14 @@ from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.api import graphdef, init_params
 from dspark_jax.drafters.common import DrafterParams
 from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.io import atomic_path, write_text_atomic
 from dspark_jax.models.hf import (
     _FLOAT_DTYPES,
     _NP_DTYPE,
     SAFETENSORS,
-    _atomic,
     _headers,
     _to_host,
     _weight_files,
-    _write_text,
     config_from_hf,
     hf_config_dict,
     read_hf_config,
@@ -322,9 +321,10 @@ def save_hf_drafter(
     if jax.process_index() != 0:
         return out_dir
     os.makedirs(out_dir, exist_ok=True)
-    _atomic(out_dir, SAFETENSORS, lambda f: save_file(tensors, f, metadata={"format": "pt"}))
+    with atomic_path(os.path.join(out_dir, SAFETENSORS)) as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
     text = json.dumps(hf_drafter_config_dict(cfg, dtype), indent=2) + "\n"
-    _atomic(out_dir, "config.json", lambda f: _write_text(f, text))
+    write_text_atomic(os.path.join(out_dir, "config.json"), text)
     return out_dir
 
 

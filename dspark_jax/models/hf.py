@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +39,7 @@ from safetensors.numpy import save_file
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.io import atomic_path, write_text_atomic
 from dspark_jax.models.transformer import Transformer
 
 SAFETENSORS = "model.safetensors"
@@ -428,25 +428,10 @@ def save_target_hf(
     if jax.process_index() != 0:
         return out_dir
     os.makedirs(out_dir, exist_ok=True)
-    _atomic(out_dir, SAFETENSORS, lambda f: save_file(tensors, f, metadata={"format": "pt"}))
+    with atomic_path(os.path.join(out_dir, SAFETENSORS)) as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
     text = json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n"
-    _atomic(out_dir, "config.json", lambda f: _write_text(f, text))
+    write_text_atomic(os.path.join(out_dir, "config.json"), text)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(text)
-
-
-def _atomic(out_dir: str, name: str, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, os.path.join(out_dir, name))
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)

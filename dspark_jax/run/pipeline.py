@@ -6,7 +6,6 @@ directory's versions are `dspark_jax.run.staged.StagedRun`'s; loading is `RunDir
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import jax
@@ -15,7 +14,7 @@ from tqdm.auto import tqdm
 
 from dspark_jax import parallel
 from dspark_jax.errors import ConfigError
-from dspark_jax.run.io import write_json_atomic, write_text_atomic
+from dspark_jax.io import atomic_path, atomic_write, write_json_atomic, write_text_atomic
 from dspark_jax.run.rundir import LENGTH_BUCKETS
 from dspark_jax.run.staged import STAGES, StagedRun
 
@@ -264,11 +263,9 @@ class Pipeline(StagedRun):
                 for i, m in enumerate(msgs)
                 if m and m[-1]["role"] == "assistant"
             ]
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "w") as f:
+            with atomic_write(path) as f:
                 for r in rows:
                     f.write(json.dumps(r) + "\n")
-            os.replace(tmp, path)
             written += len(chunk)
             bar.update(len(chunk))
         bar.close()
@@ -475,9 +472,8 @@ class Pipeline(StagedRun):
         write_text_atomic(out / "report.md", md)
         for name, plot in [("tau", lambda f: offline.plot_report(table, per_drafter, f)),
                            *extra["_plots"]]:  # fmt: skip
-            tmp = out / f"{name}.tmp.png"
-            if plot(tmp):
-                os.replace(tmp, out / f"{name}.png")
+            with atomic_path(out / f"{name}.png") as tmp:
+                plot(tmp)  # writes nothing (and returns False) without matplotlib
         self.log("\n" + md)
         return {"macro": {k: v["macro"] for k, v in table["tau"].items()}}
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import jax
 
 from dspark_jax.errors import ConfigError
+from dspark_jax.io import FileHasher, canonical_hash, write_json_atomic
 from dspark_jax.pipeline_config import PipelineConfig, absolute_paths
-from dspark_jax.run.io import FileHasher, canonical_hash, write_json_atomic
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.run.store import StageStore
 from dspark_jax.run.validate import validate_config, validate_inputs

@@ -23,7 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
-from dspark_jax.run.io import write_json_atomic
+from dspark_jax.io import write_json_atomic
 
 PROTECTED = ("target", "drafters")  # trained weights: moved aside even under --force
 

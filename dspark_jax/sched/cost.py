@@ -45,6 +45,8 @@ import os
 
 import numpy as np
 
+from dspark_jax.io import write_text_atomic
+
 __all__ = ["CostProfile", "LAYOUTS"]
 
 LAYOUTS = ("tokens", "padded")
@@ -181,10 +183,7 @@ class CostProfile:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the JSON (atomically: a temp file renamed into place)."""
-        tmp = f"{os.fspath(path)}.tmp"
-        with open(tmp, "w") as f:
-            f.write(self.to_json(indent=1))
-        os.replace(tmp, path)
+        write_text_atomic(path, self.to_json(indent=1))
 
     # ---- evaluation ---------------------------------------------------------------------------
 

@@ -24,6 +24,8 @@ import os
 
 import numpy as np
 
+from dspark_jax.io import write_json_atomic
+
 __all__ = ["STS", "fit_sts", "default_grid"]
 
 _CLIP = 1e-8
@@ -81,10 +83,7 @@ class STS:
         return cls(tuple(d["confidence_temperatures"]))
 
     def save(self, path: str | os.PathLike) -> None:
-        tmp = f"{os.fspath(path)}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> STS:

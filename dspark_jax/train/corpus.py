@@ -36,10 +36,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dspark_jax.io import atomic_write
 from dspark_jax.train.data import (
     Conversation,
     Prompt,
-    atomic_write,
     write_conversations,
     write_prompts,
 )

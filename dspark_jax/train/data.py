@@ -23,13 +23,11 @@ fsynced and `os.replace`d over the destination, so a reader never sees a half-wr
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import os
 import random
 import re
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 
 from dspark_jax.errors import DataError
+from dspark_jax.io import atomic_write
 
 # Role names as they appear in sources → our two roles. Anything else is dropped (REFERENCE §1.1).
 ROLE_MAP: dict[str, str] = {
@@ -436,30 +435,6 @@ def _is_messages(v: Any) -> bool:
 
 # ------------------------------------------------------------------------------------------------
 # Writing (atomic)
-
-
-@contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
-    """Open a temporary file next to `path`; on clean exit fsync and `os.replace` it over `path`.
-
-    If the body raises (or the process dies), `path` keeps its previous content (or stays absent)
-    and the temporary file is removed. Text modes use UTF-8.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        kwargs = {} if "b" in mode else {"encoding": "utf-8"}
-        with os.fdopen(fd, mode, **kwargs) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> int:

@@ -47,8 +47,9 @@ import numpy as np
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError, FeatureCacheError
+from dspark_jax.io import atomic_dir, atomic_write
 from dspark_jax.models import transformer
-from dspark_jax.train.data import DEFAULT_BUCKETS, TokenizedSample, atomic_write, pad_to_bucket
+from dspark_jax.train.data import DEFAULT_BUCKETS, TokenizedSample, pad_to_bucket
 
 log = logging.getLogger(__name__)
 
@@ -241,21 +242,15 @@ def write_feature_cache(
         chunk = samples[lo:hi]
         offsets = np.cumsum([0] + [len(s) for s in chunk]).astype(np.int64)
         name = _chunk_name(c)
-        tmp = out / f"{name}.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        _save_npy(
-            tmp / "input_ids.npy", np.concatenate([s.input_ids for s in chunk]).astype(np.int32)
-        )
-        _save_npy(
-            tmp / "loss_mask.npy", np.concatenate([s.loss_mask for s in chunk]).astype(np.uint8)
-        )
-        _save_npy(tmp / "offsets.npy", offsets)
-        for fname, arrs in (("features.npy", feats), ("hidden.npy", hids)):
-            arr = np.concatenate(arrs, axis=0)
-            _save_npy(tmp / fname, arr.view(np.uint16) if dtype == "bfloat16" else arr)
-        os.replace(tmp, out / name)
+        with atomic_dir(out / name) as tmp:  # <name>.tmp: debris the cleanup above removes
+            ids = np.concatenate([s.input_ids for s in chunk]).astype(np.int32)
+            _save_npy(tmp / "input_ids.npy", ids)
+            mask = np.concatenate([s.loss_mask for s in chunk]).astype(np.uint8)
+            _save_npy(tmp / "loss_mask.npy", mask)
+            _save_npy(tmp / "offsets.npy", offsets)
+            for fname, arrs in (("features.npy", feats), ("hidden.npy", hids)):
+                arr = np.concatenate(arrs, axis=0)
+                _save_npy(tmp / fname, arr.view(np.uint16) if dtype == "bfloat16" else arr)
         index["chunks"][name] = {"start": lo, "count": hi - lo, "num_tokens": int(offsets[-1])}
         with atomic_write(index_path) as fh:
             json.dump(index, fh, indent=1)

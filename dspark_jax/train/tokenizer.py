@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from dspark_jax.train.data import atomic_write
+from dspark_jax.io import atomic_write, write_bytes_atomic
 
 TOKENIZER_VERSION = 1
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
@@ -167,7 +167,7 @@ def _save_hf(tok: Any, out_dir: Path, meta: dict[str, Any]) -> None:
         )
         cfg_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
         for name in sorted(os.listdir(tmp)):
-            os.replace(Path(tmp) / name, out_dir / name)
+            write_bytes_atomic(out_dir / name, (Path(tmp) / name).read_bytes())
     with atomic_write(out_dir / META_FILE) as f:
         json.dump(meta, f, indent=2, sort_keys=True)
 
