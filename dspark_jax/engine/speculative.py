@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax import drafters
+from dspark_jax.buckets import DECODER_LENGTH_BUCKETS, bucket_up
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.errors import ConfigError
 from dspark_jax.models.generate import sample_tokens
@@ -156,7 +157,7 @@ class SpeculativeDecoder:
         dparams,
         *,
         max_len: int = 1024,
-        length_buckets: tuple[int, ...] = (32, 64, 128, 256, 512),
+        length_buckets: tuple[int, ...] = DECODER_LENGTH_BUCKETS,
         root_seed: int = 0,
     ):
         if dcfg.target.hidden_size != tcfg.hidden_size or dcfg.target.vocab_size != tcfg.vocab_size:
@@ -172,9 +173,9 @@ class SpeculativeDecoder:
         self._fused = jax.jit(fused_round, static_argnums=(0, 1, 2), donate_argnums=(5,))
 
     def _bucket(self, n: int) -> int:
-        for b in self.length_buckets:
-            if n <= b:
-                return b
+        b = bucket_up(n, self.length_buckets)
+        if b is not None:
+            return b
         raise ConfigError(
             f"prompt of {n} tokens exceeds the largest length bucket {self.length_buckets[-1]}"
         )

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.buckets import pow2_bucket
 from dspark_jax.engine.speculative import SpeculativeDecoder, verify_step
 from dspark_jax.models.generate import generate
 from dspark_jax.models.transformer import forward, init_cache
@@ -48,13 +49,6 @@ def _ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _bucket(n: int) -> int:
-    b = 32
-    while b < n:
-        b *= 2
-    return b
-
-
 def round_breakdown(
     tcfg,
     tparams,
@@ -70,7 +64,7 @@ def round_breakdown(
     per drafter (`{kind: (dcfg, dparams)}`) propose / commit / host / round."""
     prompt = [int(x) for x in prompt]
     plen = len(prompt)
-    bucket = _bucket(plen)
+    bucket = pow2_bucket(plen)
     sampled = temperature > 0
     sp = validate_sampling_params(max(temperature, 1e-6) if sampled else 0.0, 0, 1.0, 0.0,
                                   batch_size=1)  # fmt: skip
@@ -83,7 +77,7 @@ def round_breakdown(
     def gen(n):
         return lambda: generate(
             tcfg, tparams, [prompt], max_new_tokens=n, sampling=sampling, seeds=[0],
-            batch_buckets=(1,), length_buckets=(_bucket(plen + n_long),),
+            batch_buckets=(1,), length_buckets=(pow2_bucket(plen + n_long),),
         )  # fmt: skip
 
     timers["gen_short"], timers["gen_long"] = gen(n_short), gen(n_long)

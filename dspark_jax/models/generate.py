@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.buckets import GENERATE_BATCH_BUCKETS, GENERATE_LENGTH_BUCKETS, bucket_up
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.models import transformer as tf
@@ -72,17 +73,17 @@ __all__ = [
     "token_keys",
 ]
 
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-DEFAULT_LENGTH_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 ... 32768
+DEFAULT_BATCH_BUCKETS = GENERATE_BATCH_BUCKETS
+DEFAULT_LENGTH_BUCKETS = GENERATE_LENGTH_BUCKETS  # 16 ... 32768
 _PAD_TOKEN = 0
 _MIN_STOP_BUCKET = 4
 
 
 def bucket_size(n: int, buckets: Sequence[int], what: str = "size") -> int:
     """The smallest bucket >= n; RequestError if n exceeds the largest one."""
-    for b in sorted(buckets):
-        if b >= n:
-            return int(b)
+    b = bucket_up(n, buckets)
+    if b is not None:
+        return b
     raise RequestError(
         f"{what} {n} exceeds the largest bucket {max(buckets)}; pass larger buckets "
         f"(e.g. {what.split()[0]}_buckets=(..., {1 << max(n - 1, 0).bit_length()}))"

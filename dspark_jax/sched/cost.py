@@ -45,6 +45,7 @@ import os
 
 import numpy as np
 
+from dspark_jax.buckets import bucket_up_array
 from dspark_jax.io import write_text_atomic
 
 __all__ = ["CostProfile", "LAYOUTS"]
@@ -60,15 +61,6 @@ _KEYS = {
     "measurements",
     "meta",
 }
-
-
-def _bucket_up(x: np.ndarray, buckets: tuple[int, ...]) -> np.ndarray:
-    """Smallest bucket >= x (-1 where x exceeds the largest bucket); identity without buckets."""
-    if not buckets:
-        return x
-    b = np.asarray(buckets, np.int64)
-    i = np.searchsorted(b, x, side="left")
-    return np.where(i < b.size, b[np.minimum(i, b.size - 1)], -1)
 
 
 def _check_buckets(name: str, buckets: tuple[int, ...], minimum: int) -> None:
@@ -214,10 +206,10 @@ class CostProfile:
         r = np.asarray(num_requests, np.int64)
         if self.layout == "tokens":
             return np.maximum(
-                _bucket_up(r + np.asarray(num_drafts, np.int64), self.token_buckets), 0
+                bucket_up_array(r + np.asarray(num_drafts, np.int64), self.token_buckets), 0
             )
-        rb = _bucket_up(r, self.batch_buckets)
-        lb = _bucket_up(np.asarray(max_length, np.int64), self.length_buckets)
+        rb = bucket_up_array(r, self.batch_buckets)
+        lb = bucket_up_array(np.asarray(max_length, np.int64), self.length_buckets)
         return np.where((rb < 0) | (lb < 0), 0, rb * (lb + 1))
 
     def sps_for(self, num_requests, num_drafts, max_length) -> np.ndarray:

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from dspark_jax.buckets import TRAIN_SEQ_BUCKETS, bucket_up
 from dspark_jax.errors import DataError
 from dspark_jax.io import atomic_write
 
@@ -48,7 +49,7 @@ ROLE_MAP: dict[str, str] = {
     "bard": "assistant",
 }
 
-DEFAULT_BUCKETS: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+DEFAULT_BUCKETS: tuple[int, ...] = TRAIN_SEQ_BUCKETS
 EVAL_PROMPT_SEED = 980406  # REFERENCE §6.1: rows shuffled with random.Random(980406) before capping
 
 Id = int | str | None
@@ -689,9 +690,9 @@ class PaddedBatch:
 
 def choose_bucket(length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
     """The smallest bucket ≥ `length`."""
-    for b in sorted(buckets):
-        if b >= length:
-            return b
+    b = bucket_up(length, buckets)
+    if b is not None:
+        return b
     raise ValueError(
         f"sequence of length {length} exceeds the largest bucket {max(buckets)}: add a larger "
         "bucket or lower RenderConfig.max_length"
