@@ -10,8 +10,12 @@ from scipy import stats
 
 from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters import api
-from dspark_jax.drafters.dflash import extend_block_context, init_block_context
-from dspark_jax.drafters.dspark import propose_block, teacher_forced
+from dspark_jax.drafters.dspark import (
+    extend_block_context,
+    init_block_context,
+    propose_block,
+    teacher_forced,
+)
 from dspark_jax.drafters.eagle3 import (
     extend_eagle3_context,
     init_eagle3_context,

@@ -10,13 +10,13 @@ from flax import nnx
 
 from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters.common import DrafterParams, FrozenParam, Proposal
-from dspark_jax.drafters.dflash import (
+from dspark_jax.drafters.dspark import (
     BlockContext,
     BlockDrafter,
     extend_block_context,
     init_block_context,
+    propose_block,
 )
-from dspark_jax.drafters.dspark import propose_block
 from dspark_jax.drafters.eagle3 import (
     Eagle3Context,
     Eagle3Drafter,

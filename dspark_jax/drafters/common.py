@@ -1,20 +1,17 @@
-"""Pieces shared by the three drafters: parameter collections, the proposal type, attention
-over (context prefix + own block), per-request draft keys and the draft sampling transform."""
+"""Pieces shared by the three drafters: parameter collections, the proposal type, the frozen
+embedding / LM head, per-request draft keys and the draft sampling transform. (The layers and
+the attention are the model's: `dspark_jax.models.layers`.)"""
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.models.transformer import apply_rope, rope_inv_freq
 from dspark_jax.spec import rng as spec_rng
 from dspark_jax.spec import sampling as spec_sampling
-
-_NEG = -1e30
 
 
 class FrozenParam(nnx.Variable):
@@ -33,14 +30,6 @@ class Proposal(NamedTuple):
     conf_logits: jax.Array | None  # [B, γ] fp32 confidence logits ρ (DSpark only)
 
 
-def dtype_of(name: str):
-    return jnp.bfloat16 if name == "bfloat16" else jnp.float32
-
-
-def normal_init(rngs: nnx.Rngs, shape, dtype, std=0.02):
-    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-
-
 def embed(frozen_table_VxH: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take(frozen_table_VxH, tokens, axis=0)
 
@@ -48,78 +37,6 @@ def embed(frozen_table_VxH: jax.Array, tokens: jax.Array) -> jax.Array:
 def lm_logits(lm_head_HxV: jax.Array, z: jax.Array) -> jax.Array:
     """fp32 logits [..., V] from normed hidden z [..., H]."""
     return jnp.einsum("...h,hv->...v", z, lm_head_HxV, preferred_element_type=jnp.float32)
-
-
-# ---------------------------------------------------------------------------------------------
-# attention pieces on the target's own Attention module (q/k/v/o projections, q/k norms)
-
-
-def project_q(attn, x_BxTxI, positions_BxT):
-    """Queries [B, T, n_q, d_h]: projection, q_norm (Qwen3), RoPE at `positions`."""
-    c = attn.cfg
-    b, t, _ = x_BxTxI.shape
-    q = attn.q_proj(x_BxTxI).reshape(b, t, c.num_heads, c.head_dim)
-    if attn.q_norm is not None:
-        q = attn.q_norm(q)
-    return apply_rope(q, positions_BxT, rope_inv_freq(c))
-
-
-def project_kv(attn, x_BxTxI, positions_BxT):
-    """Keys (k_norm + RoPE) and values [B, T, n_kv, d_h]."""
-    c = attn.cfg
-    b, t, _ = x_BxTxI.shape
-    k = attn.k_proj(x_BxTxI).reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = attn.v_proj(x_BxTxI).reshape(b, t, c.num_kv_heads, c.head_dim)
-    if attn.k_norm is not None:
-        k = attn.k_norm(k)
-    return apply_rope(k, positions_BxT, rope_inv_freq(c)), v
-
-
-def joint_softmax(scores, masks):
-    """One softmax over several score sets along their last axes (a log-sum-exp merge).
-
-    scores: fp32 arrays [..., S_i]; masks: bools broadcastable to them. Masked entries get
-    probability 0; a row with no visible entry gets all zeros, with finite (zero) gradients.
-    """
-    scores = [jnp.where(m, s, _NEG) for s, m in zip(scores, masks)]
-    mx = jnp.max(scores[0], axis=-1, keepdims=True, initial=_NEG)
-    for s in scores[1:]:
-        mx = jnp.maximum(mx, jnp.max(s, axis=-1, keepdims=True, initial=_NEG))
-    mx = jax.lax.stop_gradient(mx)
-    es = [jnp.where(m, jnp.exp(s - mx), 0.0) for s, m in zip(scores, masks)]
-    den = sum(e.sum(-1, keepdims=True) for e in es)
-    inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
-    return [e * inv for e in es]
-
-
-def block_attend(q_BxNxGxQxD, k_ctx_BxLxKxD, v_ctx_BxLxKxD, ctx_len_BxN, k_blk, v_blk, keep_BxN):
-    """Anchor-bounded block attention (REFERENCE §2.5), the efficient form.
-
-    Query slot g of block n sees context entries κ < ctx_len[b, n] and every slot of its own
-    block (bidirectional) — nothing else; blocks with keep = False see nothing. The two score
-    sets share one softmax (log-sum-exp merge). A row with no visible key returns 0 and has a
-    zero, finite gradient (no NaN, unlike a plain masked softmax).
-
-    Shapes: q [B, N, G, n_q, d]; context k/v [B, L, n_kv, d]; block k/v [B, N, G, n_kv, d];
-    ctx_len [B, N] int; keep [B, N] bool. Returns [B, N, G, n_q * d] in q's dtype.
-    """
-    b, n, g, nq, d = q_BxNxGxQxD.shape
-    nkv = k_ctx_BxLxKxD.shape[2]
-    seq = k_ctx_BxLxKxD.shape[1]
-    q = q_BxNxGxQxD.reshape(b, n, g, nkv, nq // nkv, d)
-    scale = 1.0 / math.sqrt(d)
-    f32 = jnp.float32
-    s_ctx = jnp.einsum("bngkrd,blkd->bngkrl", q, k_ctx_BxLxKxD, preferred_element_type=f32)
-    s_blk = jnp.einsum("bngkrd,bnhkd->bngkrh", q, k_blk, preferred_element_type=f32)
-    s_ctx, s_blk = s_ctx * scale, s_blk * scale
-    m_ctx = (jnp.arange(seq)[None, None, :] < ctx_len_BxN[:, :, None]) & keep_BxN[:, :, None]
-    m_ctx = m_ctx[:, :, None, None, None, :]  # [B, N, 1, 1, 1, L]
-    m_blk = keep_BxN[:, :, None, None, None, None]  # [B, N, 1, 1, 1, 1]
-    p_ctx, p_blk = joint_softmax([s_ctx, s_blk], [m_ctx, m_blk])
-    vd = v_ctx_BxLxKxD.dtype
-    o = jnp.einsum("bngkrl,blkd->bngkrd", p_ctx.astype(vd), v_ctx_BxLxKxD)
-    o = o + jnp.einsum("bngkrh,bnhkd->bngkrd", p_blk.astype(vd), v_blk)
-    return o.reshape(b, n, g, nq * d).astype(q_BxNxGxQxD.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

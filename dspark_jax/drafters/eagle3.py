@@ -11,7 +11,6 @@ and predicts x_{t+2}. Step 0's hidden is fc(F_t); step k's is step k−1's outpu
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -24,38 +23,11 @@ from dspark_jax.drafters.common import (
     Proposal,
     draft_keys,
     draw_tokens,
-    dtype_of,
     embed,
-    joint_softmax,
     lm_logits,
-    normal_init,
-    project_kv,
-    project_q,
     sampling_probs,
 )
-from dspark_jax.models.transformer import MLP, Linear, RMSNorm
-
-
-class Eagle3Attention(nnx.Module):
-    """Attention whose q/k/v projections read the 2H-wide [emb; hidden] input."""
-
-    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
-        lc = cfg.layer_config
-        dt = dtype_of(cfg.dtype)
-        h2, nq, nkv, d = 2 * lc.hidden_size, lc.num_heads, lc.num_kv_heads, lc.head_dim
-        b = lc.qkv_bias
-        self.q_proj = Linear(h2, nq * d, rngs=rngs, dtype=dt, logical=("embed", "heads"), bias=b)
-        self.k_proj = Linear(h2, nkv * d, rngs=rngs, dtype=dt, logical=("embed", "kv"), bias=b)
-        self.v_proj = Linear(h2, nkv * d, rngs=rngs, dtype=dt, logical=("embed", "kv"), bias=b)
-        self.o_proj = Linear(
-            nq * d, lc.hidden_size, rngs=rngs, dtype=dt, logical=("heads", "embed")
-        )
-        if lc.qk_norm:
-            self.q_norm = RMSNorm(d, lc.rms_norm_eps, dt)
-            self.k_norm = RMSNorm(d, lc.rms_norm_eps, dt)
-        else:
-            self.q_norm = self.k_norm = None
-        self.cfg = lc
+from dspark_jax.models.layers import MLP, Attention, Linear, RMSNorm, attend, dtype_of, normal_init
 
 
 class Eagle3Layer(nnx.Module):
@@ -65,7 +37,7 @@ class Eagle3Layer(nnx.Module):
         h, eps = lc.hidden_size, lc.rms_norm_eps
         self.hidden_norm = RMSNorm(h, eps, dt)
         self.input_layernorm = RMSNorm(h, eps, dt)
-        self.self_attn = Eagle3Attention(cfg, rngs=rngs)
+        self.self_attn = Attention(lc, rngs=rngs, d_in=2 * h, dtype=dt)  # reads [emb; hidden]
         self.post_attention_layernorm = RMSNorm(h, eps, dt)
         self.mlp = MLP(lc, rngs=rngs)
 
@@ -120,18 +92,14 @@ def ttt_hidden(model: Eagle3Drafter, features_BxTxF, input_ids_BxT, valid_len_B)
     layer = model.layers[0]
     attn = layer.self_attn
     b, t = input_ids_BxT.shape
-    nkv, nq, d = attn.cfg.num_kv_heads, attn.cfg.num_heads, attn.cfg.head_dim
     pos0 = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T(q), T(k)]
     g = model.project(features_BxTxF)
     k0 = v0 = None
     diag_k, diag_v, outs = [], [], []
-    scale = 1.0 / math.sqrt(d)
     for k in range(cfg.block_size):
         x = layer.inputs(embed(model.embed_tokens[...], _shift_left(input_ids_BxT, k + 1)), g)
-        pos = pos0 + k
-        q = project_q(attn, x, pos).reshape(b, t, nkv, nq // nkv, d)
-        kk, vv = project_kv(attn, x, pos)
+        q, kk, vv = attn.qkv(x, pos0 + k)  # q [B, T, n_q, d], kk/vv [B, n_kv, T, d]
         if k == 0:
             k0, v0 = kk, vv
         else:
@@ -140,19 +108,12 @@ def ttt_hidden(model: Eagle3Drafter, features_BxTxF, input_ids_BxT, valid_len_B)
         limit = (valid_len_B - k)[:, None]  # [B, 1]
         q_ok = jnp.arange(t)[None, :] < limit  # [B, T]
         m0 = causal[None] & q_ok[:, :, None] & (jnp.arange(t)[None, None, :] < limit[:, :, None])
-        m0 = m0[:, :, None, None, :]  # [B, T, 1, 1, T]
-        s0 = jnp.einsum("btkrd,bskd->btkrs", q, k0, preferred_element_type=jnp.float32) * scale
-        if diag_k:
-            kd = jnp.stack(diag_k, axis=2)  # [B, T, J, n_kv, d]
-            vd = jnp.stack(diag_v, axis=2)
-            sd = jnp.einsum("btkrd,btjkd->btkrj", q, kd, preferred_element_type=jnp.float32)
-            p0, pd = joint_softmax([s0, sd * scale], [m0, q_ok[:, :, None, None, None]])
-            o = jnp.einsum("btkrj,btjkd->btkrd", pd.astype(vd.dtype), vd)
-        else:
-            (p0,) = joint_softmax([s0], [m0])
-            o = 0.0
-        o = o + jnp.einsum("btkrs,bskd->btkrd", p0.astype(v0.dtype), v0)
-        g = layer.finish(g, o.reshape(b, t, nq * d).astype(x.dtype))
+        sets = [(k0, v0, m0)]
+        if diag_k:  # grouped: query t sees its own position's keys of steps 1..k
+            kd = jnp.stack(diag_k, axis=3).transpose(0, 2, 1, 3, 4)  # [B, T, n_kv, J, d]
+            vd = jnp.stack(diag_v, axis=3).transpose(0, 2, 1, 3, 4)
+            sets.append((kd, vd, q_ok[:, :, None, None]))
+        g = layer.finish(g, attend(q, sets).astype(x.dtype))
         outs.append(g)
     return jnp.stack(outs)
 
@@ -162,7 +123,8 @@ def ttt_hidden(model: Eagle3Drafter, features_BxTxF, input_ids_BxT, valid_len_B)
 
 
 class Eagle3Context(NamedTuple):
-    """The draft cache: K (k_norm + RoPE) and V [B, S, n_kv, d_h] of committed positions
+    """The draft cache: K (k_norm + RoPE) and V [B, n_kv, S, d_h] (heads-first, as the target's
+    cache) of committed positions
     < lengths [B], and g [B, H], the pre-norm output at the last committed position (it
     predicts the first draft token)."""
 
@@ -175,30 +137,13 @@ class Eagle3Context(NamedTuple):
 def init_eagle3_context(cfg: DrafterConfig, batch: int, max_len: int) -> Eagle3Context:
     lc = cfg.layer_config
     dt = dtype_of(cfg.dtype)
-    shape = (batch, max_len, lc.num_kv_heads, lc.head_dim)
+    shape = (batch, lc.num_kv_heads, max_len, lc.head_dim)
     return Eagle3Context(
         jnp.zeros(shape, dt),
         jnp.zeros(shape, dt),
         jnp.zeros((batch,), jnp.int32),
         jnp.zeros((batch, lc.hidden_size), dt),
     )
-
-
-def _attend_cache_and_buffer(q_BxTxQxD, ck, cv, cache_mask_BxTxS, bk, bv, buf_mask_BxTxJ):
-    b, t, nq, d = q_BxTxQxD.shape
-    nkv = ck.shape[2]
-    q = q_BxTxQxD.reshape(b, t, nkv, nq // nkv, d)
-    scale = 1.0 / math.sqrt(d)
-    f32 = jnp.float32
-    s1 = jnp.einsum("btkrd,bskd->btkrs", q, ck.astype(q.dtype), preferred_element_type=f32)
-    s2 = jnp.einsum("btkrd,bjkd->btkrj", q, bk.astype(q.dtype), preferred_element_type=f32)
-    p1, p2 = joint_softmax(
-        [s1 * scale, s2 * scale],
-        [cache_mask_BxTxS[:, :, None, None, :], buf_mask_BxTxJ[:, :, None, None, :]],
-    )
-    o = jnp.einsum("btkrs,bskd->btkrd", p1.astype(q.dtype), cv.astype(q.dtype))
-    o = o + jnp.einsum("btkrj,bjkd->btkrd", p2.astype(q.dtype), bv.astype(q.dtype))
-    return o.reshape(b, t, nq * d)
 
 
 def extend_eagle3_context(
@@ -210,21 +155,20 @@ def extend_eagle3_context(
     layer = model.layers[0]
     attn = layer.self_attn
     b, t, _ = features_BxTxF.shape
-    s = ctx.k.shape[1]
+    s = ctx.k.shape[2]
     offs = jnp.arange(t, dtype=jnp.int32)[None, :]
     pos = ctx.lengths[:, None] + offs
     valid = offs < num_new_B[:, None]
-    write = jnp.where(valid, pos, s)
+    write = jnp.where(valid, pos, s)[:, None, :]  # [B, 1, T]; index s -> dropped
     g_in = model.project(features_BxTxF)
     x = layer.inputs(embed(model.embed_tokens[...], next_tokens_BxT), g_in)
-    q = project_q(attn, x, pos)
-    kk, vv = project_kv(attn, x, pos)
-    rows = jnp.arange(b)[:, None]
-    ck = ctx.k.at[rows, write].set(kk.astype(ctx.k.dtype), mode="drop")
-    cv = ctx.v.at[rows, write].set(vv.astype(ctx.v.dtype), mode="drop")
-    cache_mask = jnp.arange(s)[None, None, :] <= pos[:, :, None]
-    empty = jnp.zeros((b, 0) + kk.shape[2:], kk.dtype)
-    a = _attend_cache_and_buffer(q, ck, cv, cache_mask, empty, empty, jnp.zeros((b, t, 0), bool))
+    q, kk, vv = attn.qkv(x, pos)  # kk/vv [B, n_kv, T, d]
+    rows = jnp.arange(b)[:, None, None]
+    heads = jnp.arange(kk.shape[1])[None, :, None]
+    ck = ctx.k.at[rows, heads, write].set(kk.astype(ctx.k.dtype), mode="drop")
+    cv = ctx.v.at[rows, heads, write].set(vv.astype(ctx.v.dtype), mode="drop")
+    cache_mask = jnp.arange(s)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    a = attend(q, [(ck, cv, cache_mask)])
     g_out = layer.finish(g_in, a.astype(g_in.dtype))
     last = jnp.clip(num_new_B - 1, 0, t - 1)
     g_last = jnp.take_along_axis(g_out, last[:, None, None], axis=1)[:, 0]
@@ -250,14 +194,14 @@ def propose_eagle3(
     attn = layer.self_attn
     gam = cfg.block_size
     b = ctx.lengths.shape[0]
-    s = ctx.k.shape[1]
+    s = ctx.k.shape[2]
     start = ctx.lengths
     positions = start[:, None] + 1 + jnp.arange(gam, dtype=jnp.int32)[None]
     keys = draft_keys(key, seeds_B, positions, rounds_B)
     forced = jnp.zeros((b, gam), jnp.int32) if forced_BxG is None else forced_BxG
     cache_mask = (jnp.arange(s)[None, :] < start[:, None])[:, None, :]  # [B, 1, S]
     nb = max(gam - 1, 1)
-    buf_k = jnp.zeros((b, nb, attn.cfg.num_kv_heads, attn.cfg.head_dim), ctx.k.dtype)
+    buf_k = jnp.zeros((b, attn.cfg.num_kv_heads, nb, attn.cfg.head_dim), ctx.k.dtype)
     buf_v = jnp.zeros_like(buf_k)
 
     def step_draw(g, key_k, forced_k):
@@ -272,12 +216,11 @@ def propose_eagle3(
         j, key_k, forced_k = xs  # j = 1..γ−1
         pos = (start + j - 1)[:, None]
         x = layer.inputs(embed(model.embed_tokens[...], tok[:, None]), g[:, None])
-        q = project_q(attn, x, pos)
-        kk, vv = project_kv(attn, x, pos)
-        bk = jax.lax.dynamic_update_slice_in_dim(bk, kk.astype(bk.dtype), j - 1, axis=1)
-        bv = jax.lax.dynamic_update_slice_in_dim(bv, vv.astype(bv.dtype), j - 1, axis=1)
+        q, kk, vv = attn.qkv(x, pos)  # kk/vv [B, n_kv, 1, d]
+        bk = jax.lax.dynamic_update_slice_in_dim(bk, kk.astype(bk.dtype), j - 1, axis=2)
+        bv = jax.lax.dynamic_update_slice_in_dim(bv, vv.astype(bv.dtype), j - 1, axis=2)
         buf_mask = jnp.broadcast_to(jnp.arange(nb)[None, None, :] < j, (b, 1, nb))
-        a = _attend_cache_and_buffer(q, ctx.k, ctx.v, cache_mask, bk, bv, buf_mask)
+        a = attend(q, [(ctx.k, ctx.v, cache_mask), (bk, bv, buf_mask)])
         g = layer.finish(g[:, None], a.astype(g.dtype))[:, 0]
         tok, probs = step_draw(g, key_k, forced_k)
         return (g, tok, bk, bv), (tok, probs)

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig
-from dspark_jax.drafters.common import dtype_of, normal_init
-from dspark_jax.models.transformer import Linear
+from dspark_jax.models.layers import Linear, dtype_of, normal_init
 
 
 class MarkovHead(nnx.Module):

@@ -48,9 +48,9 @@ def _named(mesh: Mesh, logical, shape) -> NamedSharding:
 
 
 def _context_shardings(ctx, mesh: Mesh):
-    """The drafter context: K/V [N, S, n_kv, d_h] (a tuple per layer for DSpark/DFlash, one array
+    """The drafter context: K/V [N, n_kv, S, d_h] (a tuple per layer for DSpark/DFlash, one array
     for Eagle3), lengths [N], Eagle3's g [N, H]."""
-    kv = ("batch", "seq", "kv_heads", "head_dim")
+    kv = ("batch", "kv_heads", "seq", "head_dim")
 
     def one(name, x):
         if name in ("k", "v"):

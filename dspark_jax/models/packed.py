@@ -14,33 +14,18 @@ of this call at smaller positions, which the same layer wrote just before). Read
 the static `cache_len` (a cache-length bucket >= every valid token's position + 1), so attention
 costs `T x cache_len`, not `T x max_len`.
 
-This composes `transformer.py`'s modules (same parameters, same RMSNorm / RoPE / GQA code), so a
-packed forward equals the batched one up to float reassociation.
+This composes `transformer.py`'s modules and `layers.attend` (same parameters, same RMSNorm /
+RoPE / GQA code), so a packed forward equals the batched one up to float reassociation.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models import transformer as tf
-
-
-def _packed_attend(q_TxNxD, k_TxKxSxD, v_TxKxSxD, mask_TxS):
-    """GQA attention of T queries, each over its own [n_kv, S] keys (fp32 softmax)."""
-    t, n, d = q_TxNxD.shape
-    kv = k_TxKxSxD.shape[1]
-    q = q_TxNxD.reshape(t, kv, n // kv, d)
-    s = jnp.einsum("tkrd,tksd->tkrs", q, k_TxKxSxD, preferred_element_type=jnp.float32)
-    s = s * (1.0 / math.sqrt(d))
-    m = mask_TxS[:, None, None, :]
-    s = jnp.where(m, s, -1e30)
-    p = jnp.where(m, jax.nn.softmax(s, axis=-1), 0.0)
-    o = jnp.einsum("tkrs,tksd->tkrd", p.astype(v_TxKxSxD.dtype), v_TxKxSxD)
-    return o.reshape(t, n * d)
+from dspark_jax.models.layers import attend
 
 
 def packed_forward(
@@ -63,21 +48,21 @@ def packed_forward(
     cache_len = min(int(cache_len), s_max)
     x = jnp.take(model.embed_tokens[...], tokens_T, axis=0)[None]  # [1, T, H]
     pos_1xT = pos_T[None].astype(jnp.int32)
-    write = jnp.where(valid_T, pos_T, s_max)[:, None]  # [T, 1]; s_max -> dropped
-    heads = jnp.arange(cfg.num_kv_heads)[None, :]  # [1, K]
-    slot_col = slot_T[:, None]
+    write = jnp.where(valid_T, pos_T, s_max)[None, :]  # [1, T]; s_max -> dropped
+    heads = jnp.arange(cfg.num_kv_heads)[:, None]  # [K, 1]
+    slot_row = slot_T[None, :]
     key_idx = jnp.arange(cache_len, dtype=jnp.int32)
-    mask = key_idx[None, :] <= pos_T[:, None]  # [T, S_b]
+    mask = (key_idx[None, :] <= pos_T[:, None])[None, :, None, :]  # [1, T, 1, S_b]
     feats, new_k, new_v = {}, [], []
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        q, k, v = attn.qkv(layer.input_layernorm(x), pos_1xT)  # [1, T, n, d]
+        q, k, v = attn.qkv(layer.input_layernorm(x), pos_1xT)  # q [1, T, n, d], k/v [1, K, T, d]
         ck, cv = cache.k[i], cache.v[i]  # [N, K, S, d]
-        ck = ck.at[slot_col, heads, write].set(k[0].astype(ck.dtype), mode="drop")
-        cv = cv.at[slot_col, heads, write].set(v[0].astype(cv.dtype), mode="drop")
-        kg = ck[:, :, :cache_len][slot_T].astype(q.dtype)  # [T, K, S_b, d]
-        vg = cv[:, :, :cache_len][slot_T].astype(q.dtype)
-        a = _packed_attend(q[0], kg, vg, mask)[None]  # [1, T, n*d]
+        ck = ck.at[slot_row, heads, write].set(k[0].astype(ck.dtype), mode="drop")
+        cv = cv.at[slot_row, heads, write].set(v[0].astype(cv.dtype), mode="drop")
+        kg = ck[:, :, :cache_len][slot_T][None]  # [1, T, K, S_b, d]: token t's own slot
+        vg = cv[:, :, :cache_len][slot_T][None]
+        a = attend(q, [(kg, vg, mask)])  # [1, T, n*d]; T groups of one query
         x = x + attn.o_proj(a)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         new_k.append(ck)

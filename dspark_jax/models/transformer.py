@@ -19,7 +19,6 @@ Parameters store logical axis names as `logical=` metadata; `parallel.py` maps t
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -27,138 +26,42 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
+from dspark_jax.models.layers import (
+    MLP,
+    Attention,
+    Linear,
+    RMSNorm,
+    apply_rope,
+    attend,
+    dtype_of,
+    normal_init,
+    rope_inv_freq,
+)
 
-_INIT_STD = 0.02
-
-
-def _dtype(name: str):
-    return jnp.bfloat16 if name == "bfloat16" else jnp.float32
-
-
-def _normal(rngs: nnx.Rngs, shape, dtype, std=_INIT_STD):
-    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-
-
-class RMSNorm(nnx.Module):
-    """y = w * cast_back(x32 * rsqrt(mean(x32^2) + eps)); statistics in fp32 (HF convention)."""
-
-    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype), logical=("norm",))
-        self.eps = eps
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * y.astype(x.dtype)
-
-
-class Linear(nnx.Module):
-    """x @ kernel (+ bias); kernel stored [in, out] (Hugging Face stores [out, in])."""
-
-    def __init__(self, d_in, d_out, *, rngs, dtype, logical, bias=False):
-        self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype), logical=logical)
-        self.bias = nnx.Param(jnp.zeros((d_out,), dtype), logical=logical[1:]) if bias else None
-
-    def __call__(self, x):
-        y = x @ self.kernel[...]
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
-
-
-def rope_inv_freq(cfg: TargetConfig, head_dim: int | None = None) -> jax.Array:
-    """Inverse frequencies [d_h/2], with Llama-3 frequency scaling when configured."""
-    d = head_dim or cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    s = cfg.rope_scaling
-    if s is None:
-        return inv
-    low_wl = s.original_max_position_embeddings / s.low_freq_factor
-    high_wl = s.original_max_position_embeddings / s.high_freq_factor
-    wl = 2 * math.pi / inv
-    scaled = jnp.where(wl > low_wl, inv / s.factor, inv)
-    smooth = (s.original_max_position_embeddings / wl - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wl >= high_wl) & (wl <= low_wl)
-    return jnp.where(medium, smoothed, scaled)
-
-
-def apply_rope(x_BxTxNxD, positions_BxT, inv_freq):
-    """Non-interleaved ("rotate half") RoPE, computed in fp32."""
-    freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(freqs)[:, :, None, :]
-    sin = jnp.sin(freqs)[:, :, None, :]
-    x = x_BxTxNxD.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxTxNxD.dtype)
-
-
-def attend(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, *, kv_heads_first: bool = False):
-    """GQA attention in fp32 softmax. Rows with no visible key return 0 (never NaN).
-
-    K/V are [B, S, n_kv, d] or, with `kv_heads_first`, [B, n_kv, S, d] (the KV cache layout:
-    the (batch, head) matmul dims lead, so XLA reads the cache without a transposing copy)."""
-    b, t, n, d = q_BxTxNxD.shape
-    kv = k_BxSxKxD.shape[1] if kv_heads_first else k_BxSxKxD.shape[2]
-    q = q_BxTxNxD.reshape(b, t, kv, n // kv, d)
-    ks = "bksd" if kv_heads_first else "bskd"
-    s = jnp.einsum(f"btkrd,{ks}->bkrts", q, k_BxSxKxD, preferred_element_type=jnp.float32)
-    s = s * (1.0 / math.sqrt(d))
-    m = mask_BxTxS[:, None, None, :, :]
-    s = jnp.where(m, s, -1e30)
-    p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(m, p, 0.0)
-    o = jnp.einsum(f"bkrts,{ks}->btkrd", p.astype(v_BxSxKxD.dtype), v_BxSxKxD)
-    return o.reshape(b, t, n * d)
-
-
-class Attention(nnx.Module):
-    def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs):
-        dt = _dtype(cfg.dtype)
-        h, nq, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        b = cfg.qkv_bias
-        self.q_proj = Linear(h, nq * d, rngs=rngs, dtype=dt, logical=("embed", "heads"), bias=b)
-        self.k_proj = Linear(h, nkv * d, rngs=rngs, dtype=dt, logical=("embed", "kv"), bias=b)
-        self.v_proj = Linear(h, nkv * d, rngs=rngs, dtype=dt, logical=("embed", "kv"), bias=b)
-        self.o_proj = Linear(nq * d, h, rngs=rngs, dtype=dt, logical=("heads", "embed"))
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
-        else:
-            self.q_norm = self.k_norm = None
-        self.cfg = cfg
-
-    def qkv(self, x_BxTxH, positions_BxT):
-        """Projected, normed and rotated q [B,T,nq,d], k and v [B,T,nkv,d]."""
-        c = self.cfg
-        b, t, _ = x_BxTxH.shape
-        q = self.q_proj(x_BxTxH).reshape(b, t, c.num_heads, c.head_dim)
-        k = self.k_proj(x_BxTxH).reshape(b, t, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x_BxTxH).reshape(b, t, c.num_kv_heads, c.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        inv = rope_inv_freq(c)
-        return apply_rope(q, positions_BxT, inv), apply_rope(k, positions_BxT, inv), v
-
-
-class MLP(nnx.Module):
-    def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs):
-        dt = _dtype(cfg.dtype)
-        h, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(h, f, rngs=rngs, dtype=dt, logical=("embed", "mlp"))
-        self.up_proj = Linear(h, f, rngs=rngs, dtype=dt, logical=("embed", "mlp"))
-        self.down_proj = Linear(f, h, rngs=rngs, dtype=dt, logical=("mlp", "embed"))
-
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+__all__ = [  # the layers re-exported for the code that reads them from here
+    "MLP",
+    "Attention",
+    "DecoderLayer",
+    "ForwardOut",
+    "KVCache",
+    "Linear",
+    "RMSNorm",
+    "Transformer",
+    "apply_rope",
+    "build",
+    "forward",
+    "forward_jit",
+    "graphdef",
+    "init_cache",
+    "init_params",
+    "param_count",
+    "rope_inv_freq",
+]
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs):
-        dt = _dtype(cfg.dtype)
+        dt = dtype_of(cfg.dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.self_attn = Attention(cfg, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
@@ -169,16 +72,16 @@ class DecoderLayer(nnx.Module):
         q, k, v = self.self_attn.qkv(self.input_layernorm(x_BxTxH), positions_BxT)
         mask = key_positions_BxS[:, None, :] <= positions_BxT[:, :, None]
         if kv_cache is None:
-            a = attend(q, k, v, mask)
+            a = attend(q, [(k, v, mask)])
             new_kv = None
         else:
             ck, cv = kv_cache  # [B, n_kv, S, d]
             rows = jnp.arange(ck.shape[0])[:, None, None]
             heads = jnp.arange(ck.shape[1])[None, :, None]
             pos = positions_BxT[:, None, :]
-            ck = ck.at[rows, heads, pos].set(k.transpose(0, 2, 1, 3).astype(ck.dtype), mode="drop")
-            cv = cv.at[rows, heads, pos].set(v.transpose(0, 2, 1, 3).astype(cv.dtype), mode="drop")
-            a = attend(q, ck.astype(q.dtype), cv.astype(q.dtype), mask, kv_heads_first=True)
+            ck = ck.at[rows, heads, pos].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[rows, heads, pos].set(v.astype(cv.dtype), mode="drop")
+            a = attend(q, [(ck, cv, mask)])
             new_kv = (ck, cv)
         h = x_BxTxH + self.self_attn.o_proj(a)
         h = h + self.mlp(self.post_attention_layernorm(h))
@@ -189,10 +92,10 @@ class Transformer(nnx.Module):
     """Embedding, decoder layers, final norm, (untied) LM head."""
 
     def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs):
-        dt = _dtype(cfg.dtype)
+        dt = dtype_of(cfg.dtype)
         self.cfg = cfg
         self.embed_tokens = nnx.Param(
-            _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dt), logical=("vocab", "embed")
+            normal_init(rngs, (cfg.vocab_size, cfg.hidden_size), dt), logical=("vocab", "embed")
         )
         self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
@@ -267,7 +170,7 @@ class KVCache(NamedTuple):
 
 
 def init_cache(cfg: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    dt = _dtype(cfg.dtype) if dtype is None else dtype
+    dt = dtype_of(cfg.dtype) if dtype is None else dtype
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     z = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
     z2 = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))

@@ -1,0 +1,215 @@
+"""The model's building blocks, shared by the target (`transformer.py`, `packed.py`) and the three
+drafters: RMSNorm, Linear, RoPE, the attention projections (`Attention`), the MLP, and the one
+attention function `attend`.
+
+Layout (one per tensor kind): activations and queries are [B, T, n, d] (what a projection gives);
+keys and values, whether a KV cache (target or drafter context) or a call's own, are heads-first
+[B, n_kv, S, d], so the (batch, head) matmul dimensions lead and XLA reads a cache without a
+transposing copy.
+
+`attend(q, kv_sets)` is GQA attention over one or more key/value sets merged by log-sum-exp: one
+softmax over the concatenation of the sets, without concatenating them. The target attends to
+its cache (one set); a DSpark/DFlash block to the drafter's context and to its own block (two);
+Eagle3 to its context and to its draft buffer or its training-time-test diagonal (two). A set's
+keys are either seen by every query ([B, n_kv, S, d]) or grouped ([B, U, n_kv, S, d]: the T
+queries form U consecutive groups of T / U and group u sees only its own S keys: a DSpark block
+sees its own slots, an Eagle3 TTT query its own position's earlier steps, a packed verify token
+its own slot's cache).
+
+Parameters store logical axis names as `logical=` metadata; `parallel.py` maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import TargetConfig
+
+INIT_STD = 0.02
+_NEG = -1e30  # the score of a masked key (finite: a fully masked row stays NaN-free)
+
+
+def dtype_of(name: str):
+    return jnp.bfloat16 if name == "bfloat16" else jnp.float32
+
+
+def normal_init(rngs: nnx.Rngs, shape, dtype, std=INIT_STD):
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """y = w * cast_back(x32 * rsqrt(mean(x32^2) + eps)); statistics in fp32 (HF convention)."""
+
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), logical=("norm",))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """x @ kernel (+ bias); kernel stored [in, out] (Hugging Face stores [out, in])."""
+
+    def __init__(self, d_in, d_out, *, rngs, dtype, logical, bias=False):
+        self.kernel = nnx.Param(normal_init(rngs, (d_in, d_out), dtype), logical=logical)
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype), logical=logical[1:]) if bias else None
+
+    def __call__(self, x):
+        y = x @ self.kernel[...]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+def rope_inv_freq(cfg: TargetConfig, head_dim: int | None = None) -> jax.Array:
+    """Inverse frequencies [d_h/2], with Llama-3 frequency scaling when configured."""
+    d = head_dim or cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    low_wl = s.original_max_position_embeddings / s.low_freq_factor
+    high_wl = s.original_max_position_embeddings / s.high_freq_factor
+    wl = 2 * math.pi / inv
+    scaled = jnp.where(wl > low_wl, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wl - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wl >= high_wl) & (wl <= low_wl)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x_BxTxNxD, positions_BxT, inv_freq):
+    """Non-interleaved ("rotate half") RoPE, computed in fp32."""
+    freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(freqs)[:, :, None, :]
+    sin = jnp.sin(freqs)[:, :, None, :]
+    x = x_BxTxNxD.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxD.dtype)
+
+
+class Attention(nnx.Module):
+    """The q/k/v/o projections of one attention layer (+ Qwen3's q/k norms, Qwen2's qkv bias).
+
+    `d_in` is the width the projections read (default the hidden size; Eagle3 reads its 2H-wide
+    [embedding; hidden] input). `dtype` defaults to `cfg.dtype`."""
+
+    def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, d_in=None, dtype=None):
+        dt = dtype_of(cfg.dtype) if dtype is None else dtype
+        h, nq, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        d_in = h if d_in is None else d_in
+        b = cfg.qkv_bias
+        self.q_proj = Linear(d_in, nq * d, rngs=rngs, dtype=dt, logical=("embed", "heads"), bias=b)
+        self.k_proj = Linear(d_in, nkv * d, rngs=rngs, dtype=dt, logical=("embed", "kv"), bias=b)
+        self.v_proj = Linear(d_in, nkv * d, rngs=rngs, dtype=dt, logical=("embed", "kv"), bias=b)
+        self.o_proj = Linear(nq * d, h, rngs=rngs, dtype=dt, logical=("heads", "embed"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
+        else:
+            self.q_norm = self.k_norm = None
+        self.cfg = cfg
+
+    def queries(self, x_BxTxI, positions_BxT):
+        """Queries [B, T, n_q, d]: projection, q_norm (Qwen3), RoPE at `positions`."""
+        c = self.cfg
+        b, t, _ = x_BxTxI.shape
+        q = self.q_proj(x_BxTxI).reshape(b, t, c.num_heads, c.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, positions_BxT, rope_inv_freq(c))
+
+    def keys_values(self, x_BxTxI, positions_BxT):
+        """Keys (k_norm, RoPE at `positions`) and values, heads-first [B, n_kv, T, d]."""
+        c = self.cfg
+        b, t, _ = x_BxTxI.shape
+        k = self.k_proj(x_BxTxI).reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x_BxTxI).reshape(b, t, c.num_kv_heads, c.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = apply_rope(k, positions_BxT, rope_inv_freq(c))
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def qkv(self, x_BxTxI, positions_BxT):
+        """`queries` [B, T, n_q, d] and `keys_values` [B, n_kv, T, d] of the same input."""
+        return self.queries(x_BxTxI, positions_BxT), *self.keys_values(x_BxTxI, positions_BxT)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, dtype=None):
+        dt = dtype_of(cfg.dtype) if dtype is None else dtype
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(h, f, rngs=rngs, dtype=dt, logical=("embed", "mlp"))
+        self.up_proj = Linear(h, f, rngs=rngs, dtype=dt, logical=("embed", "mlp"))
+        self.down_proj = Linear(f, h, rngs=rngs, dtype=dt, logical=("mlp", "embed"))
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def joint_softmax(scores, masks):
+    """One softmax over several score sets along their last axes (a log-sum-exp merge).
+
+    scores: fp32 arrays [..., S_i]; masks: bools broadcastable to them. Masked entries get
+    probability 0; a row with no visible entry gets all zeros, with finite (zero) gradients.
+    With one set this is `jax.nn.softmax` of the masked scores, bit for bit.
+    """
+    scores = [jnp.where(m, s, _NEG) for s, m in zip(scores, masks)]
+    mx = jnp.max(scores[0], axis=-1, keepdims=True, initial=_NEG)
+    for s in scores[1:]:
+        mx = jnp.maximum(mx, jnp.max(s, axis=-1, keepdims=True, initial=_NEG))
+    mx = jax.lax.stop_gradient(mx)
+    es = [jnp.where(m, jnp.exp(s - mx), 0.0) for s, m in zip(scores, masks)]
+    den = sum(e.sum(-1, keepdims=True) for e in es)
+    den = jnp.where(den > 0, den, 1.0)
+    return [e / den for e in es]
+
+
+def attend(q_BxTxNxD, kv_sets):
+    """GQA attention of queries [B, T, n_q, d] over one or more (k, v, mask) sets, one softmax
+    (fp32) across all of them. Returns [B, T, n_q * d] in q's dtype.
+
+    Each set is heads-first keys and values with a boolean mask (True = visible), either
+      * k, v [B, n_kv, S, d], mask broadcastable to [B, T, S] — every query sees these keys, or
+      * k, v [B, U, n_kv, S, d], mask broadcastable to [B, U, T / U, S] — grouped: the T queries
+        form U consecutive groups and group u sees only its own S keys.
+    Grouped sets of one call share U. A query with no visible key returns 0, and its gradient
+    is zero and finite (never NaN).
+    """
+    b, t, n, d = q_BxTxNxD.shape
+    dt = q_BxTxNxD.dtype
+    groups = {k.shape[1] for k, _, _ in kv_sets if k.ndim == 5}
+    if len(groups) > 1:
+        raise ValueError(f"attend: grouped key/value sets must share U, got {sorted(groups)}")
+    u = groups.pop() if groups else 1
+    nkv = kv_sets[0][0].shape[-3]
+    q = q_BxTxNxD.reshape(b, u, t // u, nkv, n // nkv, d)
+    scale = 1.0 / math.sqrt(d)
+    scores, masks = [], []
+    for k, _, mask in kv_sets:
+        spec = "buksd" if k.ndim == 5 else "bksd"
+        s = jnp.einsum(
+            f"buqkrd,{spec}->buqkrs", q, k.astype(dt), preferred_element_type=jnp.float32
+        )
+        scores.append(s * scale)
+        if mask.ndim == 3:  # [B, T or 1, S] -> [B, U or 1, T/U or 1, S]
+            mb, mt, ms = mask.shape
+            mask = mask[:, None] if mt == 1 else mask.reshape(mb, u, mt // u, ms)
+        masks.append(mask[:, :, :, None, None, :])
+    probs = joint_softmax(scores, masks)
+    o = None
+    for (k, v, _), p in zip(kv_sets, probs):
+        spec = "buksd" if k.ndim == 5 else "bksd"
+        ov = jnp.einsum(f"buqkrs,{spec}->buqkrd", p.astype(dt), v.astype(dt))
+        o = ov if o is None else o + ov
+    return o.reshape(b, t, n * d)
