@@ -101,9 +101,9 @@ class CompileCounter:
         return self
 
     def __exit__(self, *exc):
-        from jax._src import monitoring as m
+        from jax import monitoring
 
-        m.unregister_event_duration_listener(self._cb)
+        monitoring.unregister_event_duration_listener(self._cb)
         return False
 
 

@@ -41,7 +41,7 @@ def engine(pair):
         token_buckets=(4, 8, 15), cache_buckets=(48, 96), modes=("greedy",),
     )  # fmt: skip
     eng.warmup()
-    assert eng.compilations <= 2 + 3 * 2  # 2 prompt x (3 token x 2 cache) buckets
+    assert eng.compilations <= 2 * 2 + 3 * 2  # (2 prompt + 3 token) x 2 cache buckets
     return eng
 
 
@@ -252,3 +252,23 @@ def test_no_retrace_with_committed_params_and_single_buckets(pair):
         eng.generate([[1, 2, 3], [4] * 11], RequestParams(8, temperature=0.0))
     assert cc.count == 0, cc.names
     assert eng.compilations == n
+
+
+def test_compilations_counts_this_engines_compiles(pair):
+    """`compilations` counts the XLA compilations the engine's own calls cause (JAX's public
+    compile events): a new bucket compiles and counts, the same shapes again do not, and a second
+    engine over the same programs hits the cache (0)."""
+    tcfg, tp, dcfg, dp = pair
+    kw = dict(num_slots=2, max_len=40, prompt_buckets=(8,), token_buckets=(6, 10),
+              modes=("greedy",))  # fmt: skip
+    eng = ServingEngine(tcfg, dcfg, tp, dp, **kw)
+    assert eng.compilations == 0
+    with CompileCounter() as cc:
+        eng.generate([[1, 2, 3]], RequestParams(6, temperature=0.0))
+    assert eng.compilations == cc.count >= 2  # a prefill and a round at least
+    n = eng.compilations
+    eng.generate([[4, 5]], RequestParams(6, temperature=0.0))
+    assert eng.compilations == n
+    other = ServingEngine(tcfg, dcfg, tp, dp, **kw)
+    other.generate([[1, 2, 3]], RequestParams(6, temperature=0.0))
+    assert other.compilations == 0 and eng.compilations == n

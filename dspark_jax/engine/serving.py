@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from dspark_jax.engine import device as dev
+from dspark_jax.engine.compiles import CompileTally
 from dspark_jax.engine.requests import (
     Delta,
     EngineMetrics,
@@ -138,7 +139,7 @@ class ServingEngine:
         self.key = jax.random.key(root_seed)
         self._prefill = jax.jit(dev.prefill_chunk, static_argnums=(0, 1, 2), donate_argnums=(5,))
         self._round = jax.jit(dev.packed_round, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
-        self._base_entries = self._cache_entries()
+        self._tally = CompileTally()  # compilations caused by this engine's device calls
         # committed to the device like every later state (a jit output), so the first call
         # does not compile a variant for uncommitted inputs that no later call uses
         self.state = jax.device_put(
@@ -190,14 +191,12 @@ class ServingEngine:
 
     # ---- compile accounting ------------------------------------------------------------------
 
-    def _cache_entries(self) -> int:
-        return int(self._prefill._cache_size() + self._round._cache_size())
-
     @property
     def compilations(self) -> int:
-        """Jit cache misses of the engine's device functions since construction (each one a
-        compilation; programs another engine already compiled are cache hits, not counted)."""
-        return self._cache_entries() - self._base_entries
+        """XLA compilations caused by this engine's warmup() and step() calls since construction
+        (`engine.compiles`, JAX's public compile events; programs another engine already
+        compiled are cache hits, not counted)."""
+        return self._tally.count
 
     def _scfg(self, mode: str) -> SamplingConfig:
         return _SCFG[mode]
@@ -205,7 +204,7 @@ class ServingEngine:
     def warmup(self) -> None:
         """Compile every (mode, prompt bucket) prefill and (mode, token bucket, cache bucket)
         round. Runs them on free slots with nothing active, so it leaves no trace."""
-        with self._step_lock:
+        with self._step_lock, self._tally:
             if self.slots.running():
                 raise RuntimeError("warmup() must run before requests are admitted")
             n = self.num_slots
@@ -273,7 +272,7 @@ class ServingEngine:
     # ---- one round ---------------------------------------------------------------------------
 
     def step(self) -> list[Delta]:
-        with self._step_lock:
+        with self._step_lock, self._tally:
             return self._step()
 
     def _step(self) -> list[Delta]:

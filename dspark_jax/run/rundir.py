@@ -80,9 +80,10 @@ class RunDir:
 
     def tokenizer(self):
         if "tok" not in self._cache:
-            from dspark_jax.train.tokenizer import load_tokenizer
+            from dspark_jax.models.hf import load_tokenizer
 
-            self._cache["tok"] = load_tokenizer(self.tokenizer_path())
+            path = self.tokenizer_path()
+            self._cache["tok"] = load_tokenizer(path, require_chat_template=True)
         return self._cache["tok"]
 
     def set_tokenizer(self, tok) -> None:
