@@ -7,10 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dspark_jax.errors import CheckpointError
+from dspark_jax.models.hf import load_tokenizer
 from dspark_jax.train.tokenizer import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
-    load_tokenizer,
     special_token_ids,
     tiny_tokenizer,
     train_tokenizer,
@@ -107,7 +108,7 @@ def test_training_is_deterministic_and_reads_files(tmp_path):
 
 
 def test_errors_name_the_fix(tmp_path):
-    with pytest.raises(FileNotFoundError, match="train_tokenizer"):
+    with pytest.raises(CheckpointError, match="no tokenizer.*train_tokenizer"):
         load_tokenizer(tmp_path / "nothing")
     with pytest.raises(FileNotFoundError, match="corpus_text"):
         train_tokenizer(tmp_path / "missing.txt", tmp_path / "t", 300)

@@ -93,7 +93,8 @@ def run(args) -> int:
 
 def _load(args):
     """(tokenizer, stop ids, tcfg, tparams, dcfg, dparams, sts, run cost profile, name)."""
-    from dspark_jax.train.tokenizer import load_tokenizer, special_token_ids
+    from dspark_jax.models.hf import load_tokenizer
+    from dspark_jax.train.tokenizer import special_token_ids
 
     if args.run_dir:
         from dspark_jax.run.rundir import RunDir
@@ -113,7 +114,7 @@ def _load(args):
 
     if args.drafter in DRAFTER_KINDS:
         raise ValueError("with --target, --drafter is the drafter's checkpoint directory")
-    tok = load_tokenizer(args.tokenizer or args.target)
+    tok = load_tokenizer(args.tokenizer or args.target, require_chat_template=True)
     tcfg, tparams = load_target(args.target)
     dcfg, dparams = load_hf_drafter(args.drafter, target=tcfg)
     name = Path(args.target).resolve().name

@@ -304,28 +304,55 @@ def _normalize_index(index, ndim: int) -> tuple[slice, ...]:
 # tokenizer
 
 
-def load_tokenizer(path: str | os.PathLike, cfg: TargetConfig | None = None):
-    """`transformers.AutoTokenizer` from the checkpoint directory, offline (no hub access).
+def quiet_transformers():
+    """`import transformers` without its advisory "PyTorch was not found" line: we only use its
+    tokenizers, never its models. Only that import is quieted; later warnings are untouched."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        old = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+        try:
+            import transformers  # noqa: F401
+        finally:
+            if old is None:
+                del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+            else:
+                os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = old
+    return sys.modules["transformers"]
+
+
+def load_tokenizer(
+    path: str | os.PathLike,
+    cfg: TargetConfig | None = None,
+    *,
+    require_chat_template: bool = False,
+):
+    """`transformers.AutoTokenizer` from a directory, offline (no hub access): the one tokenizer
+    loader, for HF checkpoints and run directories (train/tokenizer.py's output) alike.
 
     With `cfg`, checks that every token id the tokenizer can emit (`len(tokenizer)`, including
     added special tokens) indexes a row of the model's embedding; a larger tokenizer raises
-    CheckpointError (a smaller one is normal: models pad their vocabulary).
+    CheckpointError (a smaller one is normal: models pad their vocabulary). With
+    `require_chat_template`, a tokenizer without a chat template raises CheckpointError.
     """
     path = os.fspath(path)
     names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
     if not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, n)) for n in names):
         raise CheckpointError(
-            f"missing files: no tokenizer in {path!r} (expected one of {list(names)}); save one "
-            "with tokenizer.save_pretrained(path)"
+            f"missing files: no tokenizer in {path!r} (expected one of {list(names)}); train one "
+            "with train.py --stages tokenizer (dspark_jax.train.tokenizer.train_tokenizer), point "
+            "to a Hugging Face model directory, or save one with tokenizer.save_pretrained(path)"
         )
-    from dspark_jax.train.tokenizer import _transformers  # quiet import, lazy: tokenizer only
-
-    AutoTokenizer = _transformers().AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = quiet_transformers().AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types; report them as one
         raise CheckpointError(f"could not load the tokenizer in {path!r}: {e}") from e
+    if require_chat_template and getattr(tok, "chat_template", None) is None:
+        raise CheckpointError(
+            f"the tokenizer in {path!r} has no chat template; add one to tokenizer_config.json "
+            "(chat_template) or chat_template.jinja"
+        )
     if cfg is not None:
         check_tokenizer_fits(tok, cfg)
     return tok

@@ -207,9 +207,9 @@ def validate_inputs(cfg: PipelineConfig) -> dict[str, int]:
         del tcfg
     tok_dir = cfg.tokenizer.path or cfg.target.path
     if tok_dir:
-        from dspark_jax.train.tokenizer import load_tokenizer
+        from dspark_jax.models.hf import load_tokenizer
 
-        load_tokenizer(tok_dir)
+        load_tokenizer(tok_dir, require_chat_template=True)
     min_prompt_room(cfg)
     return counts
 

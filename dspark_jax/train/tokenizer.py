@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark_jax.io import atomic_write, write_bytes_atomic
+from dspark_jax.models.hf import load_tokenizer, quiet_transformers
 
 TOKENIZER_VERSION = 1
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
@@ -122,27 +123,9 @@ def _train(texts: list[str], cfg: TokenizerConfig) -> Any:
     return tok
 
 
-def _transformers():
-    """`import transformers` without its advisory "PyTorch was not found" line: we only use its
-    tokenizers, never its models. Only that import is quieted; later warnings are untouched."""
-    import sys
-
-    if "transformers" not in sys.modules:
-        old = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
-        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
-        try:
-            import transformers  # noqa: F401
-        finally:
-            if old is None:
-                del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
-            else:
-                os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = old
-    return sys.modules["transformers"]
-
-
 def _save_hf(tok: Any, out_dir: Path, meta: dict[str, Any]) -> None:
     """Write the HF files into a temp dir, then move them into `out_dir`; the meta file last."""
-    hf = _transformers().PreTrainedTokenizerFast(
+    hf = quiet_transformers().PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
@@ -196,28 +179,10 @@ def train_tokenizer(
     fingerprint = _fingerprint(texts, cfg)
     meta = _read_meta(out)
     if not force and meta is not None and meta.get("fingerprint") == fingerprint:
-        return load_tokenizer(out)
+        return load_tokenizer(out, require_chat_template=True)
     tok = _train(texts, cfg)
     _save_hf(tok, out, {"fingerprint": fingerprint, "vocab_size": tok.get_vocab_size()})
-    return load_tokenizer(out)
-
-
-def load_tokenizer(path: str | os.PathLike) -> Any:
-    """Load any HF tokenizer directory offline (ours or a real model's), chat template included."""
-    path = Path(path)
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise FileNotFoundError(
-            f"no tokenizer in {path}: expected tokenizer.json / tokenizer_config.json. Train one "
-            "with dspark_jax.train.tokenizer.train_tokenizer (train.py --stages tokenizer) or "
-            "point to a Hugging Face model directory"
-        )
-    tok = _transformers().AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    if getattr(tok, "chat_template", None) is None:
-        raise ValueError(
-            f"the tokenizer in {path} has no chat template; add one to tokenizer_config.json "
-            "(chat_template) or chat_template.jinja"
-        )
-    return tok
+    return load_tokenizer(out, require_chat_template=True)
 
 
 def special_token_ids(tok: Any) -> dict[str, Any]:
@@ -260,7 +225,7 @@ def tiny_tokenizer(cache_dir: str | os.PathLike, vocab_size: int = 512) -> Any:
     out = Path(cache_dir) / f"tiny_tokenizer_v{TOKENIZER_VERSION}_{vocab_size}"
     meta = _read_meta(out)
     if meta is not None and meta.get("fingerprint", {}).get("version") == TOKENIZER_VERSION:
-        return load_tokenizer(out)
+        return load_tokenizer(out, require_chat_template=True)
     from dspark_jax.train.corpus import sample_text
 
     return train_tokenizer([sample_text()], out, vocab_size, force=True)
