@@ -7,19 +7,11 @@ Every config here can be a static argument of `jax.jit`. Unknown or conflicting 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 from dspark_jax.errors import ConfigError
 
 ARCHITECTURES = ("qwen3", "qwen2", "llama")
-
-_HF_ARCH = {
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen2ForCausalLM": "qwen2",
-    "LlamaForCausalLM": "llama",
-}
 
 
 def replace_checked(cfg, **overrides):
@@ -118,84 +110,6 @@ class TargetConfig:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["target_layer_ids"] = tuple(d.get("target_layer_ids", ()))
         return cls(**d)
-
-    @classmethod
-    def from_hf(
-        cls,
-        path_or_dict: str | os.PathLike | dict,
-        *,
-        target_layer_ids: tuple[int, ...] | None = None,
-        dtype: str = "float32",
-    ) -> TargetConfig:
-        """Build from a Hugging Face `config.json` (a directory, the file, or its dict).
-
-        transformers 5 keeps RoPE settings in `rope_parameters`; older files use `rope_theta` and
-        `rope_scaling` at the top level. Both are read. Default feature layers follow DFlash's
-        rule: 5 layers spread evenly from layer 1 to layer num_layers - 3.
-        """
-        if isinstance(path_or_dict, dict):
-            hf = path_or_dict
-        else:
-            p = os.fspath(path_or_dict)
-            if os.path.isdir(p):
-                p = os.path.join(p, "config.json")
-            if not os.path.exists(p):
-                raise ConfigError(f"no config.json at {p}")
-            with open(p) as f:
-                hf = json.load(f)
-        archs = hf.get("architectures") or []
-        arch = None
-        for a in archs:
-            if a in _HF_ARCH:
-                arch = _HF_ARCH[a]
-        if arch is None:
-            mt = hf.get("model_type")
-            arch = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}.get(mt)
-        if arch is None:
-            raise ConfigError(
-                f"unsupported architecture {archs or hf.get('model_type')!r}; "
-                f"supported: {sorted(_HF_ARCH)}"
-            )
-        rope = dict(hf.get("rope_parameters") or {})
-        legacy = hf.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        rtype = rope.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")))
-        scaling = None
-        if rtype == "llama3":
-            src = rope if "factor" in rope else legacy
-            scaling = RopeScaling(
-                factor=float(src["factor"]),
-                low_freq_factor=float(src["low_freq_factor"]),
-                high_freq_factor=float(src["high_freq_factor"]),
-                original_max_position_embeddings=int(src["original_max_position_embeddings"]),
-            )
-        elif rtype not in ("default", None):
-            raise ConfigError(f"unsupported rope_type {rtype!r}; supported: default, llama3")
-        n_layers = int(hf["num_hidden_layers"])
-        n_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        head_dim = int(hf.get("head_dim") or hidden // n_heads)
-        if target_layer_ids is None:
-            target_layer_ids = default_target_layer_ids(n_layers)
-        if arch == "qwen2" and hf.get("use_sliding_window"):
-            raise ConfigError("Qwen2 sliding-window attention is not supported")
-        return cls(
-            architecture=arch,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=n_layers,
-            num_heads=n_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            target_layer_ids=tuple(target_layer_ids),
-            dtype=dtype,
-        )
 
 
 def default_target_layer_ids(num_layers: int, m: int = 5) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from dspark_jax.config import TargetConfig
+from dspark_jax.config import RopeScaling, TargetConfig, default_target_layer_ids
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.io import atomic_path, write_text_atomic
 from dspark_jax.models.transformer import Transformer
@@ -49,6 +49,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _NP_DTYPE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 _HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+_HF_ARCH = {v: k for k, v in _HF_CLASS.items()}
 _LAYER_IDS_KEY = "dspark_target_layer_ids"
 
 
@@ -111,7 +112,13 @@ def config_from_hf(
     dtype: str = "float32",
     target_layer_ids: tuple[int, ...] | None = None,
 ) -> TargetConfig:
-    """`TargetConfig.from_hf` plus the checks for features our decoder does not implement."""
+    """The `TargetConfig` of a Hugging Face `config.json` dict (the project's only HF config
+    reader), refusing features our decoder does not implement (CheckpointError naming them).
+
+    transformers 5 keeps RoPE settings in `rope_parameters`; older files use `rope_theta` and
+    `rope_scaling` at the top level. Both are read. Feature layers: `target_layer_ids`, else the
+    ones `save_target_hf` recorded, else DFlash's rule (`config.default_target_layer_ids`).
+    """
     hf = dict(hf)
     act = hf.get("hidden_act", "silu")
     if act != "silu":
@@ -129,11 +136,61 @@ def config_from_hf(
     if target_layer_ids is None and hf.get(_LAYER_IDS_KEY) is not None:
         target_layer_ids = tuple(hf[_LAYER_IDS_KEY])
     try:
-        return TargetConfig.from_hf(hf, target_layer_ids=target_layer_ids, dtype=dtype)
-    except ConfigError as e:
+        return _target_config(hf, target_layer_ids, dtype)
+    except ConfigError as e:  # TargetConfig's own checks
         raise CheckpointError(str(e)) from e
     except KeyError as e:
         raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from e
+
+
+def _target_config(hf: dict[str, Any], target_layer_ids, dtype: str) -> TargetConfig:
+    arch = None
+    for a in hf.get("architectures") or []:
+        arch = _HF_ARCH.get(a, arch)
+    if arch is None:
+        arch = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}.get(hf.get("model_type"))
+    if arch is None:
+        raise CheckpointError(
+            f"unsupported architecture {hf.get('architectures') or hf.get('model_type')!r}; "
+            f"supported: {sorted(_HF_ARCH)}"
+        )
+    rope = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rtype = rope.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")))
+    scaling = None
+    if rtype == "llama3":
+        src = rope if "factor" in rope else legacy
+        scaling = RopeScaling(
+            factor=float(src["factor"]),
+            low_freq_factor=float(src["low_freq_factor"]),
+            high_freq_factor=float(src["high_freq_factor"]),
+            original_max_position_embeddings=int(src["original_max_position_embeddings"]),
+        )
+    elif rtype not in ("default", None):
+        raise CheckpointError(f"unsupported rope_type {rtype!r}; supported: default, llama3")
+    n_layers = int(hf["num_hidden_layers"])
+    n_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(n_layers)
+    return TargetConfig(
+        architecture=arch,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=n_layers,
+        num_heads=n_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        head_dim=int(hf.get("head_dim") or hidden // n_heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        target_layer_ids=tuple(target_layer_ids),
+        dtype=dtype,
+    )
 
 
 def _weight_files(path: str) -> dict[str, str]:
