@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
     from dspark_jax.run.cli import report, user_errors
     from dspark_jax.run.rundir import RunDir
-    from dspark_jax.train.data import encode_prompt
+    from dspark_jax.train.data_templates import encode_prompt
 
     try:
         init_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed)

@@ -3,6 +3,7 @@
 import dataclasses
 
 from configs.tiny import config as tiny_config
+from dspark_jax.demo.corpus import CorpusConfig
 from dspark_jax.pipeline_config import (
     CalibrateStage,
     DataStage,
@@ -11,7 +12,6 @@ from dspark_jax.pipeline_config import (
     TargetStage,
     TokenizerStage,
 )
-from dspark_jax.train.corpus import CorpusConfig
 
 
 def config():

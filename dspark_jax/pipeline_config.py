@@ -15,8 +15,8 @@ import typing
 from typing import Any
 
 from dspark_jax.config import MeshConfig, TargetConfig, TrainConfig
+from dspark_jax.demo.corpus import CorpusConfig
 from dspark_jax.errors import ConfigError
-from dspark_jax.train.corpus import CorpusConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from dspark_jax.train.corpus import (
+from dspark_jax.demo.corpus import (
     DOMAINS,
     CorpusConfig,
     build_corpus,
@@ -132,7 +132,7 @@ def test_sample_text_is_deterministic_and_covers_domains():
 
 
 def test_loss_mask_covers_exactly_the_answers(small, tmp_path_factory):
-    from dspark_jax.train.data import RenderConfig, encode_conversations
+    from dspark_jax.train.data_templates import RenderConfig, encode_conversations
     from dspark_jax.train.tokenizer import tiny_tokenizer
 
     tok = tiny_tokenizer(tmp_path_factory.getbasetemp() / "tok_cache")

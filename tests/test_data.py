@@ -17,23 +17,24 @@ from dspark_jax.train.data import (
     Conversation,
     Prompt,
     ReadStats,
-    RenderConfig,
     TokenizedSample,
-    assistant_char_spans,
-    encode_conversation,
-    encode_conversations,
-    encode_prompt,
-    format_prompt,
-    make_batches,
-    pad_to_bucket,
     read_conversations,
     read_prompts,
-    read_tfds,
     select_prompts,
     write_conversations,
     write_jsonl,
     write_prompts,
 )
+from dspark_jax.train.data_packing import make_batches, pad_to_bucket
+from dspark_jax.train.data_templates import (
+    RenderConfig,
+    assistant_char_spans,
+    encode_conversation,
+    encode_conversations,
+    encode_prompt,
+    format_prompt,
+)
+from dspark_jax.train.data_tfds import read_tfds
 from dspark_jax.train.tokenizer import tiny_tokenizer
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"

@@ -6,14 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dspark_jax.errors import DataError
-from dspark_jax.train.data import (
-    Conversation,
-    Prompt,
-    parse_tfds_spec,
-    read_conversations,
-    read_tfds,
-    write_conversations,
-)
+from dspark_jax.train.data import Conversation, Prompt, read_conversations, write_conversations
+from dspark_jax.train.data_tfds import parse_tfds_spec, read_tfds
 
 tfds = pytest.importorskip("tensorflow_datasets")
 

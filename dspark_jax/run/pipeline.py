@@ -59,7 +59,7 @@ class Pipeline(StagedRun):
         return self.rundir.decoder(kind)
 
     def corpus_files(self):
-        from dspark_jax.train.corpus import build_corpus
+        from dspark_jax.demo.corpus import build_corpus
 
         return build_corpus(self.stage_dir("corpus"), self.cfg.data.corpus)
 
@@ -84,7 +84,7 @@ class Pipeline(StagedRun):
     def fitting_prompts(self, turns: list[list[str]], max_new_tokens: int):
         """(token ids of the prompts that fit the target's context with this budget, how many
         did not, the limit). Only the first user turn is evaluated."""
-        from dspark_jax.train.data import encode_prompt
+        from dspark_jax.train.data_templates import encode_prompt
 
         tok = self.tokenizer()
         limit = self.rundir.prompt_limit(max_new_tokens, self.cfg.evaluate.max_len)
@@ -132,7 +132,7 @@ class Pipeline(StagedRun):
             self.log(f"  {stats.summary()}")
             convs += got
         if c.data.tfds:
-            from dspark_jax.train.data import parse_tfds_spec, read_tfds
+            from dspark_jax.train.data_tfds import parse_tfds_spec, read_tfds
 
             name, split, field = parse_tfds_spec(c.data.tfds)
             got, stats = read_tfds(
@@ -151,7 +151,7 @@ class Pipeline(StagedRun):
             tcfg, _ = self.target()
             return {"source": c.target.path, "params": _count(self.target()[1])}
         from dspark_jax.models.hf import save_target_hf
-        from dspark_jax.train.data import RenderConfig, encode_conversations
+        from dspark_jax.train.data_templates import RenderConfig, encode_conversations
         from dspark_jax.train.lm import LMTrainConfig, train_lm
 
         tok = self.tokenizer()
@@ -207,7 +207,7 @@ class Pipeline(StagedRun):
 
     def _stage_regenerate(self):
         from dspark_jax.models.generate import generate
-        from dspark_jax.train.data import encode_prompt
+        from dspark_jax.train.data_templates import encode_prompt
 
         c = self.cfg.regenerate
         tcfg, tparams = self._regen_target()
@@ -301,7 +301,7 @@ class Pipeline(StagedRun):
         return convs[: len(convs) - n_cal], convs[len(convs) - n_cal :]
 
     def _stage_drafters(self):
-        from dspark_jax.train.data import RenderConfig, encode_conversations
+        from dspark_jax.train.data_templates import RenderConfig, encode_conversations
         from dspark_jax.train.trainer import Trainer
 
         d = self.cfg.drafters

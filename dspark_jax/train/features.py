@@ -49,7 +49,8 @@ from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError, FeatureCacheError
 from dspark_jax.io import atomic_dir, atomic_write
 from dspark_jax.models import transformer
-from dspark_jax.train.data import DEFAULT_BUCKETS, TokenizedSample, pad_to_bucket
+from dspark_jax.train.data import TokenizedSample
+from dspark_jax.train.data_packing import DEFAULT_BUCKETS, pad_to_bucket
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,8 @@ from typing import Protocol
 import numpy as np
 
 from dspark_jax.errors import ConfigError, DatasetError
-from dspark_jax.train.data import TokenizedSample, choose_bucket
+from dspark_jax.train.data import TokenizedSample
+from dspark_jax.train.data_packing import choose_bucket
 
 log = logging.getLogger(__name__)
 

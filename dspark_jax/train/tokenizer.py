@@ -226,6 +226,6 @@ def tiny_tokenizer(cache_dir: str | os.PathLike, vocab_size: int = 512) -> Any:
     meta = _read_meta(out)
     if meta is not None and meta.get("fingerprint", {}).get("version") == TOKENIZER_VERSION:
         return load_tokenizer(out, require_chat_template=True)
-    from dspark_jax.train.corpus import sample_text
+    from dspark_jax.demo.corpus import sample_text
 
     return train_tokenizer([sample_text()], out, vocab_size, force=True)

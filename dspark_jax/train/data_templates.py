@@ -1,0 +1,208 @@
+"""Rendering conversations with the tokenizer's chat template, the assistant-only loss mask
+(REFERENCE §1.3: regex from after the assistant header to and including the end-of-turn string;
+character offsets → token offsets by re-tokenizing prefixes), and prompts for generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dspark_jax.train.data import Conversation, Message, ReadStats, TokenizedSample
+
+# ------------------------------------------------------------------------------------------------
+# Rendering and the loss mask (REFERENCE §1.3)
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderConfig:
+    """How conversations become training sequences.
+
+    max_length: right-truncation length in tokens (REFERENCE: 4096; the tiny demo uses 256–512).
+    min_loss_tokens: samples with fewer supervised tokens are dropped (REFERENCE: 14).
+    enable_thinking: passed to the chat template; ``None`` passes nothing (template default).
+    default_system_prompt: inserted when a conversation has no system message (Qwen3 reference:
+        "You are a helpful assistant."; our tiny tokenizer: none).
+    assistant_header / end_of_turn: the strings that open and close an assistant turn in the
+        rendered text; the mask runs from after the header to and including the end of turn.
+    assistant_content_prefix: prepended to every assistant content and skipped by the mask
+        (Gemma4's empty thought channel); empty for ChatML templates.
+    """
+
+    max_length: int = 4096
+    min_loss_tokens: int = 14
+    enable_thinking: bool | None = False
+    default_system_prompt: str | None = None
+    assistant_header: str = "<|im_start|>assistant\n"
+    end_of_turn: str = "<|im_end|>\n"
+    assistant_content_prefix: str = ""
+
+    def __post_init__(self):
+        if self.max_length < 1:
+            raise ValueError(f"RenderConfig.max_length must be ≥ 1, got {self.max_length}")
+        if self.min_loss_tokens < 0:
+            raise ValueError(
+                f"RenderConfig.min_loss_tokens must be ≥ 0, got {self.min_loss_tokens}"
+            )
+        if not self.assistant_header or not self.end_of_turn:
+            raise ValueError("RenderConfig.assistant_header and end_of_turn must be non-empty")
+
+    @classmethod
+    def qwen3(cls, **overrides: Any) -> RenderConfig:
+        """The reference Qwen3 setting: default system prompt, 4096 tokens, ≥ 14 loss tokens."""
+        return cls(**{"default_system_prompt": "You are a helpful assistant.", **overrides})
+
+    @classmethod
+    def gemma4(cls, **overrides: Any) -> RenderConfig:
+        """The reference Gemma4 setting: no system prompt, model turns, empty thought channel."""
+        base = {
+            "assistant_header": "<|turn>model\n",
+            "end_of_turn": "<turn|>\n",
+            "assistant_content_prefix": "<|channel>thought\n<channel|>",
+        }
+        return cls(**{**base, **overrides})
+
+
+def _template_kwargs(enable_thinking: bool | None) -> dict[str, Any]:
+    return {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+
+
+def render_conversation(tokenizer: Any, conversation: Conversation, cfg: RenderConfig) -> str:
+    """The full training text: system prompt rule, content prefix, chat template, no gen prompt."""
+    messages = conversation.as_dicts()
+    if cfg.default_system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+        messages.insert(0, {"role": "system", "content": cfg.default_system_prompt})
+    if cfg.assistant_content_prefix:
+        pre = cfg.assistant_content_prefix
+        for m in messages:
+            if m["role"] == "assistant" and not m["content"].startswith(pre):
+                m["content"] = pre + m["content"]
+    return tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=False,
+        **_template_kwargs(cfg.enable_thinking),
+    )
+
+
+def assistant_char_spans(text: str, cfg: RenderConfig) -> list[tuple[int, int]]:
+    """Character spans `[start, end)` of supervised text: after each assistant header (and the
+    optional content prefix) up to and including the next end-of-turn string, or to end of text."""
+    pattern = (
+        re.escape(cfg.assistant_header)
+        + (
+            f"(?:{re.escape(cfg.assistant_content_prefix)})?"
+            if cfg.assistant_content_prefix
+            else ""
+        )
+        + r"(.*?)(?:"
+        + re.escape(cfg.end_of_turn)
+        + r"|\Z)"
+    )
+    return [(m.start(1), m.end()) for m in re.finditer(pattern, text, flags=re.DOTALL)]
+
+
+def _encode_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def encode_conversations(
+    tokenizer: Any,
+    conversations: Iterable[Conversation],
+    cfg: RenderConfig = RenderConfig(),
+    *,
+    source: str = "conversations",
+    chunk_size: int = 256,
+) -> tuple[list[TokenizedSample], ReadStats]:
+    """Render, tokenize, truncate and mask conversations; drop those under `min_loss_tokens`.
+
+    The mask marks tokens `[len(tok(text[:s])), len(tok(text[:e])))` for every assistant char
+    span `[s, e)` (prefix token counts capped at `max_length`, clipped to the sequence), so it
+    covers assistant content plus the end-of-turn token(s) and nothing of system/user/headers.
+    A sample with no supervised token is always dropped. Tokenization never adds special tokens
+    (the template already wrote them).
+    """
+    stats = ReadStats(source=source)
+    samples: list[TokenizedSample] = []
+    convs = list(conversations)
+    for lo in range(0, len(convs), chunk_size):
+        chunk = convs[lo : lo + chunk_size]
+        texts = [render_conversation(tokenizer, c, cfg) for c in chunk]
+        spans = [assistant_char_spans(t, cfg) for t in texts]
+        prefixes = [t[:pos] for t, sp in zip(texts, spans) for s, e in sp for pos in (s, e)]
+        full_ids = _encode_batch(tokenizer, texts)
+        prefix_lens = iter(len(p) for p in _encode_batch(tokenizer, prefixes))
+        for conv, ids, sp in zip(chunk, full_ids, spans):
+            stats.read += 1
+            ids_L = np.asarray(ids[: cfg.max_length], dtype=np.int32)  # right truncation
+            mask_L = np.zeros(ids_L.shape, dtype=np.uint8)
+            for _ in sp:
+                start = min(next(prefix_lens), cfg.max_length)
+                end = min(next(prefix_lens), cfg.max_length)
+                mask_L[start:end] = 1
+            n_loss = int(mask_L.sum())
+            if n_loss == 0 or n_loss < cfg.min_loss_tokens:
+                stats.drop(f"fewer than {max(cfg.min_loss_tokens, 1)} loss tokens")
+                continue
+            samples.append(TokenizedSample(ids_L, mask_L, id=conv.id, domain=conv.domain))
+            stats.kept += 1
+    return samples, stats
+
+
+def encode_conversation(
+    tokenizer: Any, conversation: Conversation, cfg: RenderConfig = RenderConfig()
+) -> TokenizedSample | None:
+    """One conversation; `None` when it would be dropped (see `encode_conversations`)."""
+    samples, _ = encode_conversations(tokenizer, [conversation], cfg)
+    return samples[0] if samples else None
+
+
+# ------------------------------------------------------------------------------------------------
+# Prompts for generation / evaluation
+
+
+def _as_messages(prompt: str | Sequence[Any]) -> list[dict[str, str]]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    out = []
+    for m in prompt:
+        if isinstance(m, Message):
+            out.append({"role": m.role, "content": m.content})
+        elif isinstance(m, Mapping) and "role" in m and "content" in m:
+            out.append({"role": m["role"], "content": m["content"]})
+        else:
+            raise TypeError(
+                "format_prompt takes a user message string or a list of {role, content} messages; "
+                f"got an element of type {type(m).__name__}"
+            )
+    if not out or out[-1]["role"] != "user":
+        raise ValueError("format_prompt: the message list must end with a user message")
+    return out
+
+
+def format_prompt(
+    tokenizer: Any, prompt: str | Sequence[Any], *, enable_thinking: bool | None = False
+) -> str:
+    """Generation prompt text (REFERENCE §6.1): the chat template over one user message (or a
+    running message list ending in a user turn, for multi-turn), `add_generation_prompt=True`,
+    no system prompt added."""
+    return tokenizer.apply_chat_template(
+        _as_messages(prompt),
+        tokenize=False,
+        add_generation_prompt=True,
+        **_template_kwargs(enable_thinking),
+    )
+
+
+def encode_prompt(
+    tokenizer: Any, prompt: str | Sequence[Any], *, enable_thinking: bool | None = False
+) -> np.ndarray:
+    """`format_prompt` tokenized without extra special tokens → int32 [T]."""
+    text = format_prompt(tokenizer, prompt, enable_thinking=enable_thinking)
+    return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)

@@ -1,0 +1,127 @@
+"""TensorFlow Datasets as a conversation source (`read_tfds`, `parse_tfds_spec`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import numpy as np
+
+from dspark_jax.errors import DataError
+from dspark_jax.train.data import Conversation, Message, Prompt, ReadStats, normalize_messages
+
+
+def _tfds_text(x: Any) -> Any:
+    if isinstance(x, bytes):
+        return x.decode("utf-8")
+    if isinstance(x, np.ndarray):
+        return [_tfds_text(v) for v in x.tolist()] if x.ndim else _tfds_text(x.item())
+    if isinstance(x, list | tuple):
+        return [_tfds_text(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _tfds_text(v) for k, v in x.items()}
+    return x
+
+
+def parse_tfds_spec(spec: str) -> tuple[str, str, str | None]:
+    """``name[:split[:field]]`` (e.g. ``my_chats:train[:90%]:conversations``) -> (name, split,
+    field); split defaults to ``train``, field to None (auto)."""
+    name, _, rest = spec.strip().partition(":")
+    if not name:
+        raise ValueError(f"data.tfds={spec!r}: expected name[:split[:field]], e.g. my_chats:train")
+    m = re.fullmatch(r"(.*?)(?::([A-Za-z_][\w./-]*))?", rest)
+    split, field = m.group(1), m.group(2)
+    return name, split or "train", field or None
+
+
+def _tfds_examples(tfds: Any, name: str, split: str, data_dir: str | None, download: bool):
+    """Examples of a prepared TFDS dataset as numpy dicts, in stored order.
+
+    ArrayRecord datasets are read through `as_data_source` (no TensorFlow needed); TFRecord ones
+    through `tfds.load` (needs TensorFlow)."""
+    builder = tfds.builder(name, data_dir=data_dir)
+    if download:
+        builder.download_and_prepare()
+    try:
+        source = builder.as_data_source(split=split)
+    except NotImplementedError:  # a TFRecord dataset: the TensorFlow reader
+        ds = tfds.load(name, split=split, data_dir=data_dir, download=False)
+        yield from tfds.as_numpy(ds)
+        return
+    for i in range(len(source)):
+        yield source[i]
+
+
+def read_tfds(
+    name: str,
+    *,
+    split: str = "train",
+    kind: Literal["prompts", "conversations", "auto"] = "prompts",
+    field: str | None = None,
+    data_dir: str | None = None,
+    limit: int | None = None,
+    download: bool = False,
+) -> tuple[list[Prompt] | list[Conversation], ReadStats]:
+    """Read prompts or conversations from a TensorFlow-Datasets dataset (extra ``[tfds]``).
+
+    `field` names the example feature: for prompts a string (one turn) or a list of strings
+    (default ``"turns"``); for conversations a sequence of ``{role, content}`` (or ``{from,
+    value}``) messages (default ``"conversations"``), as a list of dicts or a dict of lists.
+    `kind="auto"` reads conversations when the examples have that field (or `field` holds
+    messages) and otherwise prompts, returned as user-only `Conversation`s (regeneration input).
+    Validation, role mapping and drop reasons are those of the JSONL readers; errors name
+    ``tfds:<name>/<split>`` and the 1-based example number. `download=False` by default because
+    the machines we target are offline: prepare the dataset into `data_dir` first. ArrayRecord
+    datasets (the TFDS default for new builds with `file_format="array_record"`) need no
+    TensorFlow.
+    """
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise ImportError(
+            "read_tfds needs TensorFlow Datasets: pip install 'dspark-jax[tfds]' "
+            "(or use JSONL prompt/conversation files instead)"
+        ) from e
+    where = f"tfds:{name}/{split}"
+    stats = ReadStats(source=where)
+    out: list = []
+    examples = _tfds_examples(tfds, name, split, data_dir, download)
+    for idx, example in enumerate(examples):
+        if limit is not None and idx >= limit:
+            break
+        k, f = kind, field
+        if k == "auto":
+            f = f or ("conversations" if "conversations" in example else "turns")
+            v = _tfds_text(example.get(f))
+            k = "conversations" if isinstance(v, dict) or _is_messages(v) else "prompts"
+        f = f or ("turns" if k == "prompts" else "conversations")
+        if f not in example:
+            raise DataError(where, idx + 1, f"example has no feature {f!r}; pass field=...")
+        value = _tfds_text(example[f])
+        stats.read += 1
+        if k == "prompts":
+            turns = [value] if isinstance(value, str) else value
+            if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+                raise DataError(where, idx + 1, f"{f!r} must be a string or list of strings")
+            if not turns or any(not t.strip() for t in turns):
+                stats.drop("empty turn")
+                continue
+            if kind == "auto":
+                out.append(Conversation(tuple(Message("user", t) for t in turns), id=idx))
+            else:
+                out.append(Prompt(tuple(turns), id=idx))
+        else:
+            if isinstance(value, dict):  # dict of parallel lists → list of dicts
+                keys = list(value)
+                value = [dict(zip(keys, vals)) for vals in zip(*(value[k] for k in keys))]
+            msgs, reason = normalize_messages(value, where, idx + 1)
+            if msgs is None:
+                stats.drop(reason)
+                continue
+            out.append(Conversation(msgs, id=idx))
+        stats.kept += 1
+    return out, stats
+
+
+def _is_messages(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(m, dict) for m in v)
