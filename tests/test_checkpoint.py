@@ -163,3 +163,33 @@ def test_sigkill_then_resume_gives_a_bit_identical_loss_trajectory(tmp_path):
     assert [r["loss"] for r in recs] == [h["loss"] for h in ref.history]  # bit-identical
     assert [r["grad_norm"] for r in recs] == [h["grad_norm"] for h in ref.history]
     jax.clear_caches()
+
+
+def test_old_run_dir_without_later_fields_resumes_when_their_defaults_keep_its_behaviour(tmp_path):
+    """Issue 12: a run directory whose saved TrainConfig predates fields added later (here
+    `target_dtype`, `anchor_chunk`) resumes when the values that reproduce the old behaviour are
+    set, and is refused in one line naming the field and the value otherwise."""
+    from dspark_jax.errors import ConfigError
+
+    cfg = base_config(total_steps=4)
+    first = toy_trainer(tmp_path / "run", cfg)
+    first.run(max_steps=2)
+    first.close()
+    side = tmp_path / "run/config.json"
+    saved = json.loads(side.read_text())
+    for field in ("target_dtype", "anchor_chunk"):
+        del saved["train"][field]
+    del saved["trained_for"]
+    side.write_text(json.dumps(saved))
+    # the target ran in the compute dtype then; "auto" resolves to it
+    with pytest.raises(ConfigError, match=r"TrainConfig\.target_dtype='float32' to resume") as e:
+        toy_trainer(tmp_path / "run", base_config(total_steps=4, target_dtype="bfloat16"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"TrainConfig\.anchor_chunk=-1 to resume"):
+        toy_trainer(tmp_path / "run", base_config(total_steps=4, anchor_chunk=4))
+    again = toy_trainer(tmp_path / "run", cfg)
+    assert again.resumed_from == 2
+    res = again.run()
+    assert res.step == 4 and [h["step"] for h in res.history] == [3, 4]
+    again.close()
+    assert "target_dtype" in json.loads(side.read_text())["train"]  # rewritten in today's layout

@@ -259,7 +259,7 @@ def test_training_tau_is_the_mean_of_per_block_survival_products(target):
     """The best-checkpoint criterion (`tau`, REFERENCE §4.5 tau_probabilistic) averages per-block
     survival products; the product of per-position means (`sim_tau`) differs from it."""
     from dspark_jax.pipeline_config import DrafterStage
-    from dspark_jax.train.trainer import simulated_tau as product_of_means
+    from dspark_jax.spec.metrics import simulated_tau as product_of_means
 
     assert DrafterStage().train_config(seed=0).best_metric == "tau"
     rng = np.random.default_rng(0)

@@ -164,4 +164,4 @@ def test_4b_preset_fits_8xh100_and_the_old_numbers_do_not():
     plan, (dcfg, mesh) = _plan_4b(old, "dspark", pc.mesh)
     assert not plan.fits
     with pytest.raises(ConfigError, match="set TrainConfig.micro_batch_size="):
-        memory.check_fits(old, plan, mesh, dcfg.target, dcfg)
+        memory.check_memory(old, plan, mesh, dcfg.target, dcfg)

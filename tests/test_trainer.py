@@ -20,12 +20,15 @@ from toy_train import (
 
 from dspark_jax import parallel
 from dspark_jax.config import DrafterConfig, MeshConfig, TrainConfig
+from dspark_jax.drafters.compat import check_fits
 from dspark_jax.errors import ConfigError, DatasetError
+from dspark_jax.spec.metrics import simulated_tau
 from dspark_jax.testing import CompileCounter, tiny_target_config
 from dspark_jax.train import trainer as trainer_mod
+from dspark_jax.train.checkpoint import abstract_like, load_best_params
 from dspark_jax.train.data import TokenizedSample
 from dspark_jax.train.loader import DataLoader, InMemorySource, load_rows
-from dspark_jax.train.trainer import check_compatible, lr_schedule, simulated_tau
+from dspark_jax.train.optimizer import lr_schedule
 
 
 def _lines(path):
@@ -302,23 +305,23 @@ def test_resume_with_another_config_is_refused_and_nothing_changes(tmp_path):
 def test_incompatible_drafter_and_target_are_refused():
     target = tiny_target_config()
     ok = DrafterConfig.dspark(target, num_layers=1, mask_token_id=255)
-    check_compatible(target, ok)
+    check_fits(target, ok)
     wide = tiny_target_config(hidden_size=96, num_heads=6, num_kv_heads=2)
     with pytest.raises(ConfigError, match="hidden size"):
-        check_compatible(target, ok.replace(target=wide))
+        check_fits(target, ok.replace(target=wide))
     big_vocab = tiny_target_config(vocab_size=512)
     with pytest.raises(ConfigError, match="vocabulary.*mask token 300"):
-        check_compatible(target, ok.replace(target=big_vocab, mask_token_id=300))
+        check_fits(target, ok.replace(target=big_vocab, mask_token_id=300))
     deep = tiny_target_config(num_layers=8, target_layer_ids=(1, 4, 6))
     with pytest.raises(ConfigError, match=r"feature layer ids \[4, 6\] are outside"):
-        check_compatible(target, ok.replace(target=deep))
+        check_fits(target, ok.replace(target=deep))
     other_ids = tiny_target_config(target_layer_ids=(0, 2))
     with pytest.raises(ConfigError, match="feature layer ids"):
-        check_compatible(target, ok.replace(target=other_ids))
+        check_fits(target, ok.replace(target=other_ids))
     tcfg, tparams = tiny_target()
     bad_frozen = {"embed_tokens": np.zeros((100, 64)), "lm_head": np.zeros((64, 100))}
     with pytest.raises(ConfigError, match="frozen embedding"):
-        check_compatible(tcfg, ok, target_params=tparams, frozen=bad_frozen)
+        check_fits(tcfg, ok, target_params=tparams, frozen=bad_frozen)
 
 
 def test_drafter_for_another_target_is_refused_before_anything_is_written(tmp_path):
@@ -365,6 +368,8 @@ def test_real_drafters_train_a_few_steps(tmp_path, kind):
         eval_data=make_samples(2, 256, seed=1),
         run_dir=tmp_path / kind,
         mesh=one_device_mesh(),
+        target_name="tiny",
+        vocab_hash="0123abcd",
     )
     frozen0 = jax.tree.map(np.asarray, t.frozen)
     res = t.run()
@@ -374,6 +379,29 @@ def test_real_drafters_train_a_few_steps(tmp_path, kind):
         ev = res.evals[-1]
         assert len(ev["accept_rate"]) == 3 and 1.0 <= ev["sim_tau"] <= 4.0
         assert {"ce", "l1", "bce", "tau"} <= set(ev) and res.best_step == 2
+        _check_best_checkpoint_names_its_target(tmp_path / kind, t, tcfg, dcfg)
     for a, b in zip(jax.tree.leaves(frozen0), jax.tree.leaves(t.frozen)):
         np.testing.assert_array_equal(a, np.asarray(b))
     t.close()
+
+
+def _check_best_checkpoint_names_its_target(run_dir, t, tcfg, dcfg):
+    """DESIGN §3: a drafter checkpoint carries the target it was trained for (name, layer ids,
+    vocabulary hash); loading it for another target fails with one clear error."""
+    side = json.loads((run_dir / "config.json").read_text())
+    assert side["trained_for"]["name"] == "tiny"
+    assert side["trained_for"]["vocab_hash"] == "0123abcd"
+    assert side["trained_for"]["target_layer_ids"] == list(tcfg.target_layer_ids)
+    abstract = abstract_like(t.trainable)
+    step, _, _ = load_best_params(
+        run_dir, abstract, target_cfg=tcfg, drafter_cfg=dcfg, vocab_hash="0123abcd"
+    )
+    assert step == 2
+    with pytest.raises(ConfigError, match="vocabulary hash: drafter 0123abcd vs target ffff") as e:
+        load_best_params(run_dir, abstract, target_cfg=tcfg, drafter_cfg=dcfg, vocab_hash="ffff")
+    assert "\n" not in str(e.value) and "load the drafter trained for this target" in str(e.value)
+    other = tcfg.replace(target_layer_ids=(0, 2))
+    with pytest.raises(ConfigError, match=r"reads target layers \(0, 1, 2\)"):
+        load_best_params(
+            run_dir, abstract, target_cfg=other, drafter_cfg=dcfg.replace(target=other)
+        )

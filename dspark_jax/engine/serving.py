@@ -27,6 +27,7 @@ import time
 import jax
 import numpy as np
 
+from dspark_jax.drafters.compat import check_fits
 from dspark_jax.engine import device as dev
 from dspark_jax.engine.compiles import CompileTally
 from dspark_jax.engine.requests import (
@@ -105,8 +106,7 @@ class ServingEngine:
         modes=MODES,
         mesh=None,
     ):
-        if dcfg.target.hidden_size != tcfg.hidden_size or dcfg.target.vocab_size != tcfg.vocab_size:
-            raise ConfigError("drafter was built for a different target (hidden size / vocab)")
+        check_fits(tcfg, dcfg)
         if num_slots < 1 or max_len < 2:
             raise ConfigError(f"num_slots ({num_slots}) must be >= 1 and max_len >= 2")
         if max_len > tcfg.max_position_embeddings:

@@ -322,7 +322,8 @@ class Pipeline(StagedRun):
             trainer = Trainer.for_drafter(
                 d.train_config(seed=dcfg.seed), dcfg, tparams, train_data=train_s,
                 eval_data=eval_s, run_dir=self.stage_dir("drafters") / kind,
-                mesh=self.mesh,
+                mesh=self.mesh, target_name=self.rundir.target_name(),
+                vocab_hash=self.rundir.vocab_hash(),
             )  # fmt: skip
             self.log(f"  training {kind}: {_count(trainer.trainable)} trainable parameters")
             res = trainer.run()

@@ -152,6 +152,19 @@ class RunDir:
             tcfg, markov_rank=d.markov_rank, markov_head_type=d.markov_head_type, **common
         )
 
+    def target_name(self) -> str:
+        """The name a drafter records for its target: the target checkpoint directory's name,
+        "embedded" for the target this run trained."""
+        return Path(self.config.target.path).name if self.config.target.path else "embedded"
+
+    def vocab_hash(self) -> str:
+        """`drafters.compat.vocab_hash` of the run's tokenizer (recorded with each drafter)."""
+        if "vocab_hash" not in self._cache:
+            from dspark_jax.drafters.compat import vocab_hash
+
+            self._cache["vocab_hash"] = vocab_hash(self.tokenizer())
+        return self._cache["vocab_hash"]
+
     def drafter_dir(self, kind: str) -> Path:
         return self.stage_dir("drafters") / kind
 
@@ -162,7 +175,7 @@ class RunDir:
         key = f"drafter_{kind}"
         if key not in self._cache:
             from dspark_jax import drafters as dr
-            from dspark_jax.train.trainer import load_best_params
+            from dspark_jax.train.checkpoint import load_best_params
 
             best = self.drafter_dir(kind) / "best"
             if kind not in self.config.drafters.kinds or not best.is_dir():
@@ -174,7 +187,10 @@ class RunDir:
             tcfg, tparams = self.target()
             dcfg = self.drafter_config(kind, tcfg)
             params = dr.init_params(dcfg, target_params=tparams)
-            _, trainable, _ = load_best_params(self.drafter_dir(kind), params.trainable)
+            _, trainable, _ = load_best_params(
+                self.drafter_dir(kind), params.trainable, target_cfg=tcfg, drafter_cfg=dcfg,
+                target_name=self.target_name(), vocab_hash=self.vocab_hash(),
+            )  # fmt: skip
             params = dr.DrafterParams(trainable, params.frozen)
             if self.mesh is not None:
                 from dspark_jax.parallel import shard_params

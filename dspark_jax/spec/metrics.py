@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
@@ -39,6 +40,10 @@ __all__ = [
     "brier",
     "reliability",
     "reliability_from_logits",
+    "block_tau",
+    "simulated_tau",
+    "is_additive",
+    "summarize",
 ]
 
 PRED_CLIP = 1e-8
@@ -248,3 +253,46 @@ def reliability_from_logits(
     labels, valid = prefix_labels(num_accepted, proposal_len, rho.shape[-1])
     pred = cumulative_survival(rho, temperatures)
     return reliability(pred, labels, valid, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# τ of training-time (simulated) acceptance: the per-block form inside the losses (traced, jnp or
+# numpy arrays) and the product of per-position means of a held-out evaluation (host)
+
+
+def block_tau(accept_BxG, mask_BxG=None):
+    """τ = 1 + Σ_k Π_{i≤k} a_i·mask_i per block [B] (REFERENCE §4.5) from per-position
+    acceptance a_i = 1 − TV_i; jnp in, jnp out (numpy in, numpy out)."""
+    xp = np if isinstance(accept_BxG, np.ndarray) else jnp
+    a = accept_BxG if mask_BxG is None else accept_BxG * mask_BxG
+    return 1.0 + xp.cumprod(a, axis=-1).sum(-1)
+
+
+def simulated_tau(accept_rate) -> float:
+    """τ = 1 + Σ_k Π_{i≤k} a_i from per-position mean acceptance a_i = mean(1 − TV_i) (the
+    product of means: an evaluation's `sim_tau`)."""
+    return float(1.0 + np.sum(np.cumprod(np.asarray(accept_rate, np.float64))))
+
+
+def is_additive(key: str) -> bool:
+    """Metric keys summed over batches (`x_num`, `x_den`) rather than averaged."""
+    return key.endswith("_num") or key.endswith("_den")
+
+
+def summarize(metric_sums: dict, n_batches: int) -> dict:
+    """Held-out metrics from per-batch sums: additive pairs divided (x = x_num / x_den), other
+    keys averaged over batches; adds `accept_rate` [γ] and `sim_tau` when `accept_num/den`
+    exist."""
+    out: dict = {}
+    for k, v in metric_sums.items():
+        if not is_additive(k):
+            out[k] = v / max(n_batches, 1)
+    for k in metric_sums:
+        if k.endswith("_num") and k[:-4] + "_den" in metric_sums:
+            num, den = metric_sums[k], metric_sums[k[:-4] + "_den"]
+            out[k[:-4]] = np.where(den > 0, num / np.where(den > 0, den, 1), 0.0)
+    if "accept" in out:
+        out["accept_rate"] = out.pop("accept")
+    if "accept_rate" in out and np.ndim(out["accept_rate"]) == 1:
+        out["sim_tau"] = simulated_tau(out["accept_rate"])
+    return out

@@ -21,6 +21,7 @@ is bad, `CheckpointError` says so and which directory to remove.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -33,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from dspark_jax.errors import CheckpointError
+from dspark_jax.drafters.compat import check_fits, recorded_target
+from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.io import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -217,3 +220,107 @@ class Checkpointer:
             + "; ".join(errors)
             + ". Remove the bad step directories (or the whole directory to start afresh)."
         )
+
+
+# ------------------------------------------------------------------------------------------------
+# Resuming a trainer's run directory (`config.json` sidecar, `metrics.jsonl`, `best/`)
+
+# TrainConfig fields added after run directories were written, each with the value that
+# reproduces how a run written before the field existed behaved (a function of that run's saved
+# TrainConfig). Such a run resumes when the current value equals it; otherwise the refusal names
+# the field and the value to set. A field added later goes here with its behaviour-preserving
+# value (a field that cannot change the trajectory goes to TrainConfig.RESUMABLE_CHANGES).
+ADDED_TRAIN_FIELDS: dict[str, Any] = {
+    "target_dtype": lambda old: old.get("compute_dtype"),  # the target ran in the compute dtype
+    "anchor_chunk": lambda old: -1,  # the drafter config's own anchor chunking
+}
+# sidecar entries added later that describe the run without changing its trajectory
+ADDED_SIDECAR_KEYS = ("trained_for",)
+
+
+def check_resumable(run_dir: Path, sidecar: dict[str, Any], resumable=()) -> None:
+    """Refuse (ConfigError) to resume `run_dir` when its `config.json` describes another
+    trajectory than `sidecar` (TrainConfig fields in `resumable` may differ)."""
+    side = Path(run_dir) / "config.json"
+    if not side.exists():
+        return
+    try:
+        old = json.loads(side.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{side} is corrupt ({e}); restore it or use a new run_dir") from e
+    cur = json.loads(json.dumps(sidecar, default=str))
+    diffs = []
+    for k in sorted(set(old) | set(cur)):
+        a, b = old.get(k), cur.get(k)
+        if k == "train" and isinstance(a, dict) and isinstance(b, dict):
+            for f in sorted(set(a) | set(b)):
+                if f in resumable or a.get(f) == b.get(f):
+                    continue
+                if f not in a and f in ADDED_TRAIN_FIELDS:
+                    was = ADDED_TRAIN_FIELDS[f](a)
+                    if b.get(f) == was:
+                        continue
+                    raise ConfigError(
+                        f"{run_dir} was trained before TrainConfig.{f} existed, as {f}={was!r}; "
+                        f"set TrainConfig.{f}={was!r} to resume it (now {b.get(f)!r}), or use a "
+                        "new run_dir"
+                    )
+                diffs.append(f"train.{f}: {a.get(f)!r} -> {b.get(f)!r}")
+        elif k in ADDED_SIDECAR_KEYS and k not in old:
+            continue
+        elif a != b:
+            diffs.append(f"{k} differs")
+    if diffs:
+        raise ConfigError(
+            f"{run_dir} holds a run with another configuration ({'; '.join(diffs)}); "
+            "use a new run_dir, pass resume=False to a fresh directory, or restore the config"
+        )
+
+
+def trim_metrics_log(path: Path, last_step: int) -> None:
+    """Drop the lines of `metrics.jsonl` after `last_step` (a resumed run redoes those steps)
+    and a torn last line of a killed run."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line of a killed run
+        if rec.get("step", 0) <= last_step:
+            keep.append(line)
+    with atomic_write(path) as f:
+        f.write("".join(x + "\n" for x in keep))
+
+
+def load_best_params(
+    run_dir: str | os.PathLike,
+    abstract_trainable,
+    *,
+    target_cfg=None,
+    drafter_cfg=None,
+    target_name: str = "",
+    vocab_hash: str = "",
+):
+    """`(step, trainable, meta)` of the best checkpoint in `run_dir/best` (restored into the
+    structure, dtypes and shardings of `abstract_trainable`).
+
+    With `target_cfg` and `drafter_cfg`: first checks (`drafters.compat.check_fits`, no array
+    read) that the checkpoint was trained for this target (`target_name`, tokenizer
+    `vocab_hash`; "" = unknown); ConfigError naming every difference if not."""
+    ckpt = Checkpointer(Path(run_dir) / "best", async_save=False)
+    if target_cfg is not None and drafter_cfg is not None and ckpt.steps():
+        side = ckpt.read_meta(ckpt.steps()[-1]).get("config") or {}
+        check_fits(
+            target_cfg,
+            drafter_cfg,
+            trained_for=recorded_target(side),
+            name=target_name,
+            vocab_hash=vocab_hash,
+        )
+    got = ckpt.restore({"trainable": abstract_trainable})
+    if got is None:
+        raise CheckpointError(f"{run_dir}/best holds no checkpoint; was an evaluation ever run?")
+    step, state, meta = got
+    return step, state["trainable"], meta

@@ -1,6 +1,6 @@
 """Training the target LM itself (the embedded demo's target): next-token cross-entropy.
 
-Uses the drafter trainer's optimizer (`trainer.make_optimizer`: AdamW, warmup + cosine, global-norm
+Uses the drafter trainer's optimizer (`optimizer.make_optimizer`: AdamW, warmup + cosine, global-norm
 clipping) and its orbax `Checkpointer`, so an interrupted run resumes from its last checkpoint
 with the same data order. Batches are fixed-shape [batch_size, seq_len] windows cut from the
 tokenized conversations (packed end to end, so no padding is trained), drawn in a permutation
@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from dspark_jax.config import TargetConfig, TrainConfig
 from dspark_jax.models.transformer import forward, init_params
 from dspark_jax.train.checkpoint import Checkpointer, abstract_like
-from dspark_jax.train.trainer import make_optimizer
+from dspark_jax.train.optimizer import make_optimizer
 
 
 @dataclasses.dataclass(frozen=True)

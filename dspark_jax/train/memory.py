@@ -18,7 +18,7 @@ with b = micro_batch_size / (data x fsdp) sequences per device and L = the large
 an estimate in the spirit of MaxText's / levanter's pre-flight numbers; where a compiled executable
 is at hand, `compiled_bytes` reads XLA's own `memory_analysis()` and the trainer prints both.
 
-`check_fits` refuses (ConfigError, one line) when the estimate exceeds `HEADROOM` of the smallest
+`check_memory` refuses (ConfigError, one line) when the estimate exceeds `HEADROOM` of the smallest
 local device's memory and names the field to change, with a value that fits when one exists.
 """
 
@@ -229,7 +229,7 @@ def _suggest(cfg, plan: MemoryPlan, mesh, target_cfg, drafter_cfg) -> str:
     )
 
 
-def check_fits(
+def check_memory(
     cfg: TrainConfig,
     plan: MemoryPlan,
     mesh,
@@ -260,3 +260,34 @@ def compiled_bytes(compiled) -> dict[str, int] | None:
     out = {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in keys}
     out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
     return out
+
+
+def check_compiled(
+    compiled,
+    plan: MemoryPlan,
+    cfg: TrainConfig,
+    mesh,
+    target_cfg: TargetConfig | None = None,
+    drafter_cfg: DrafterConfig | None = None,
+    *,
+    verbose: bool = True,
+) -> dict[str, int] | None:
+    """XLA's memory analysis of the compiled micro-step (printed next to the plan when
+    `verbose`); refuses like `check_memory` when XLA's total exceeds the limit. Returns
+    `compiled_bytes(compiled)`."""
+    got = compiled_bytes(compiled)
+    if got is None:
+        return None
+    if verbose:
+        print(
+            f"XLA memory analysis of the micro-step per device: arguments "
+            f"{got['argument'] / GIB:.2f} GiB, temporaries {got['temp'] / GIB:.2f} GiB (plan: "
+            f"activations + logits {(plan.activations + plan.logits) / GIB:.2f} GiB)",
+            flush=True,
+        )
+    if plan.limit is not None and got["total"] > HEADROOM * plan.limit:
+        compiled_plan = dataclasses.replace(
+            plan, activations=got["temp"], logits=0, params=got["argument"], optimizer=0
+        )
+        check_memory(cfg, compiled_plan, mesh, target_cfg, drafter_cfg)
+    return got
