@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a field, e.g. --set drafters.steps=100 (repeatable)",
+        help="override a field, e.g. --set drafters.train.total_steps=100 (repeatable)",
     )
     ap.add_argument("--stages", default="", help="comma-separated subset of stages to run")
     ap.add_argument("--force", default="", help="comma-separated stages to redo even if cached")

@@ -5,6 +5,8 @@ import dataclasses
 from configs.tiny import config as tiny_config
 from dspark_jax.demo.corpus import CorpusConfig
 from dspark_jax.pipeline_config import (
+    DRAFTER_TRAIN,
+    TARGET_TRAIN,
     CalibrateStage,
     DataStage,
     DrafterStage,
@@ -28,7 +30,12 @@ def config():
             corpus=CorpusConfig(n_math=200, n_heldout=8, max_code_files=20, max_prose_topics=12)
         ),
         tokenizer=TokenizerStage(vocab_size=512),
-        target=TargetStage(model=target, steps=30, batch_size=8, seq_len=128, lr=3e-3),
+        target=TargetStage(
+            model=target,
+            train=TARGET_TRAIN.replace(
+                total_steps=30, global_batch_size=8, micro_batch_size=8, seq_buckets=(128,)
+            ),
+        ),
         regenerate=dataclasses.replace(
             base.regenerate, max_prompts=48, max_new_tokens=32, batch_size=16
         ),
@@ -38,11 +45,15 @@ def config():
             num_layers=1,
             markov_rank=16,
             num_anchors=16,
-            steps=6,
-            batch_size=4,
-            micro_batch_size=2,
-            seq_len=128,
-            eval_every=3,
+            train=DRAFTER_TRAIN.replace(
+                total_steps=6,
+                global_batch_size=4,
+                micro_batch_size=2,
+                eval_batch_size=2,
+                seq_buckets=(128,),
+                eval_interval=3,
+                checkpoint_interval=3,
+            ),
         ),  # fmt: skip
         calibrate=CalibrateStage(max_prompts=6, max_new_tokens=24),
         evaluate=EvalStage(

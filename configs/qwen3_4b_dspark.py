@@ -19,14 +19,15 @@ per device (tests/test_memory.py prints it; XLA's own analysis is printed at sta
     eagle3  params 1.23 GiB, optimizer 0.40 GiB, activations 18.6 GiB, logits 25.5 GiB = 45.8 GiB
 
 of 72 GiB usable (90% of 80): Eagle3's γ TTT steps over full 4096-token sequences and the 152k
-vocabulary set the micro-batch. On another slice change `mesh` and `drafters.micro_batch_size`
-(`--set mesh.tensor=... drafters.micro_batch_size=...`); the trainer refuses a plan that cannot
+vocabulary set the micro-batch. On another slice change `mesh` and `drafters.train.micro_batch_size`
+(`--set mesh.tensor=... drafters.train.micro_batch_size=...`); the trainer refuses a plan that cannot
 fit and names the field to change. The same command runs on one process per host after
 `jax.distributed.initialize()` (each process then reads only its own shard of the data).
 """
 
 from dspark_jax.config import MeshConfig
 from dspark_jax.pipeline_config import (
+    DRAFTER_TRAIN,
     CalibrateStage,
     DrafterStage,
     EvalStage,
@@ -58,15 +59,19 @@ def config() -> PipelineConfig:
             num_layers=5,
             markov_rank=256,
             num_anchors=512,
-            steps=25_000,
-            batch_size=512,
-            seq_len=4096,
-            lr=6e-4,
-            eval_every=3000,
-            micro_batch_size=4,  # 128 micro-steps of gradient accumulation per step
-            compute_dtype="auto",  # bf16 on GPU/TPU
-            target_dtype="auto",
-            anchor_chunk=64,
+            train=DRAFTER_TRAIN.replace(
+                total_steps=25_000,
+                global_batch_size=512,
+                micro_batch_size=4,  # 128 micro-steps of gradient accumulation per step
+                eval_batch_size=4,
+                seq_buckets=(4096,),
+                learning_rate=6e-4,
+                eval_interval=3000,
+                checkpoint_interval=3000,
+                compute_dtype="auto",  # bf16 on GPU/TPU
+                target_dtype="auto",
+                anchor_chunk=64,
+            ),
         ),  # fmt: skip
         calibrate=CalibrateStage(max_prompts=500, max_new_tokens=2048),
         evaluate=EvalStage(

@@ -12,6 +12,8 @@ steps x 8 sequences x 256 tokens, accumulated over 2 micro-batches of 4.
 
 from dspark_jax.config import TargetConfig, default_target_layer_ids
 from dspark_jax.pipeline_config import (
+    DRAFTER_TRAIN,
+    TARGET_TRAIN,
     CalibrateStage,
     DrafterStage,
     EvalStage,
@@ -43,7 +45,7 @@ def config() -> PipelineConfig:
         name="tiny",
         run_dir="runs/tiny",
         tokenizer=TokenizerStage(vocab_size=2048),
-        target=TargetStage(model=target, steps=300, batch_size=16, seq_len=256, lr=3e-3),
+        target=TargetStage(model=target, train=TARGET_TRAIN.replace(total_steps=300)),
         # the drafters learn the distribution they are evaluated on: T = 1, untruncated
         regenerate=RegenerateStage(
             max_prompts=1200,
@@ -59,12 +61,16 @@ def config() -> PipelineConfig:
             num_layers=1,  # DSpark / DFlash backbone depth (Eagle3 is always 1 layer)
             markov_rank=64,
             num_anchors=64,
-            steps=400,  # the same budget for the three drafters
-            batch_size=8,
-            micro_batch_size=4,  # gradients accumulated over 2 micro-batches
-            seq_len=256,
-            lr=3e-3,
-            eval_every=100,
+            train=DRAFTER_TRAIN.replace(
+                total_steps=400,  # the same budget for the three drafters
+                global_batch_size=8,
+                micro_batch_size=4,  # gradients accumulated over 2 micro-batches
+                eval_batch_size=4,
+                seq_buckets=(256,),
+                learning_rate=3e-3,
+                eval_interval=100,
+                checkpoint_interval=100,
+            ),
         ),
         calibrate=CalibrateStage(max_prompts=48, max_new_tokens=96),
         evaluate=EvalStage(

@@ -7,6 +7,8 @@ Every config here can be a static argument of `jax.jit`. Unknown or conflicting 
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from typing import Any
 
 from dspark_jax.errors import ConfigError
@@ -23,6 +25,34 @@ def replace_checked(cfg, **overrides):
             f"{type(cfg).__name__} has no field(s) {unknown}; valid fields: {sorted(names)}"
         )
     return dataclasses.replace(cfg, **overrides)
+
+
+def to_json(cfg) -> dict[str, Any]:
+    """A (nested) config dataclass as a JSON-able dict (tuples become lists when dumped)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_json(cls, d: dict[str, Any]):
+    """The one JSON reader of every config dataclass: rebuilds `cls` (nested dataclasses, tuples,
+    optional fields) from `to_json` output; missing fields take their defaults, unknown ones are
+    a ConfigError."""
+    hints = typing.get_type_hints(cls)
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            continue
+        v, typ = d[f.name], hints[f.name]
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        base = args[0] if typing.get_origin(typ) in (typing.Union, types.UnionType) else typ
+        if dataclasses.is_dataclass(base) and isinstance(v, dict):
+            v = from_json(base, v)
+        elif typing.get_origin(base) is tuple and isinstance(v, list):
+            v = tuple(v)
+        kw[f.name] = v
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ConfigError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    return cls(**kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,15 +131,11 @@ class TargetConfig:
         return replace_checked(self, **kw)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return to_json(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TargetConfig:
-        d = dict(d)
-        if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        d["target_layer_ids"] = tuple(d.get("target_layer_ids", ()))
-        return cls(**d)
+        return from_json(cls, d)
 
 
 def default_target_layer_ids(num_layers: int, m: int = 5) -> tuple[int, ...]:
@@ -438,10 +464,8 @@ class TrainConfig:
         return replace_checked(self, **kw)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return to_json(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainConfig:
-        d = dict(d)
-        d["seq_buckets"] = tuple(d.get("seq_buckets", cls.seq_buckets))
-        return cls(**d)
+        return from_json(cls, d)

@@ -2,19 +2,22 @@
 
 A preset in `configs/` returns a `PipelineConfig`; `--set key.sub=value` overrides any field
 through `apply_overrides`, which rejects unknown keys and values that do not parse as the
-field's type.
+field's type. The stages that train hold the library's `TrainConfig` (`target.train`,
+`drafters.train`: `--set drafters.train.learning_rate=1e-3`), not copies of its fields; a key of
+the older flat layout (`drafters.lr`) is refused with the new key, and a run directory's older
+config.json is translated on load (`upgrade_legacy_json`).
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import os
-import types
 import typing
 from typing import Any
 
-from dspark_jax.config import MeshConfig, TargetConfig, TrainConfig
+from dspark_jax.config import MeshConfig, TargetConfig, TrainConfig, from_json
 from dspark_jax.demo.corpus import CorpusConfig
 from dspark_jax.errors import ConfigError
 
@@ -44,20 +47,44 @@ class TokenizerStage:
     path: str = ""  # an existing HF tokenizer directory (skips training)
 
 
+# The embedded target's LM training (train/lm.py reads: learning_rate, warmup_ratio, total_steps,
+# weight_decay and the other optimizer fields, global_batch_size, windows of max(seq_buckets)
+# tokens, seed, checkpoint_interval, log_interval, max_eval_batches held-out batches).
+TARGET_TRAIN = TrainConfig(
+    learning_rate=3e-3, warmup_ratio=0.05, total_steps=1500, weight_decay=0.01,
+    global_batch_size=16, micro_batch_size=16, seq_buckets=(256,), seed=0,
+    checkpoint_interval=200, log_interval=20, max_eval_batches=4,
+)  # fmt: skip
+
+# The drafters' training (one Trainer per drafter kind; `seed` also initializes the drafter).
+DRAFTER_TRAIN = TrainConfig(
+    learning_rate=3e-3, warmup_ratio=0.05, total_steps=600, global_batch_size=8,
+    micro_batch_size=8, seq_buckets=(256,), eval_interval=200, eval_batch_size=8,
+    max_eval_batches=4, checkpoint_interval=200, seed=42, pad_id=0,
+    # the reference's training τ: mean over blocks of per-block survival products
+    best_metric="tau",
+)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetStage:
-    """The target LM: trained here (embedded demo) or loaded from `path` (HF checkpoint dir)."""
+    """The target LM: trained here (embedded demo) or loaded from `path` (HF checkpoint dir).
+
+    Training the embedded target: `train` (TARGET_TRAIN), on conversations rendered up to
+    `render_windows` x max(train.seq_buckets) tokens with >= `min_loss_tokens` supervised ones,
+    one in `heldout_one_in` held out (split seeded by train.seed); the vocabulary is the
+    tokenizer's rounded up to a multiple of `vocab_multiple`.
+    """
 
     path: str = ""
     # the architecture to train (vocab_size is set from the tokenizer); ignored with `path`
     model: TargetConfig = TargetConfig()
     target_layer_ids: tuple[int, ...] = ()  # with `path`: feature layers (default: DFlash rule)
-    steps: int = 1500
-    batch_size: int = 16
-    seq_len: int = 256
-    lr: float = 3e-3
-    warmup_frac: float = 0.05
-    seed: int = 0
+    train: TrainConfig = TARGET_TRAIN
+    vocab_multiple: int = 64
+    render_windows: int = 4
+    min_loss_tokens: int = 1
+    heldout_one_in: int = 50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,49 +98,39 @@ class RegenerateStage:
     max_prompts: int = 2000
     batch_size: int = 32
     seed: int = 0
+    shard_batches: int = 4  # batches per output shard (the unit of resume and of multi-process)
 
 
 @dataclasses.dataclass(frozen=True)
 class DrafterStage:
+    """The drafters: their architecture knobs and `train` (DRAFTER_TRAIN), the library's
+    TrainConfig (steps, batches and the memory plan: micro_batch_size, compute_dtype,
+    target_dtype, anchor_chunk; `train.seed` also initializes each drafter). Training samples
+    are rendered up to max(train.seq_buckets) tokens with >= `min_loss_tokens` supervised ones;
+    max(global_batch_size, one in `eval_one_in`) of them are held out for evaluation."""
+
     kinds: tuple[str, ...] = ("dspark", "dflash", "eagle3")
     block_size: int = 7
     num_layers: int = 1
     markov_rank: int = 64
     markov_head_type: str = "vanilla"
     num_anchors: int = 64
-    steps: int = 600
-    batch_size: int = 8
-    seq_len: int = 256
-    lr: float = 3e-3
-    eval_every: int = 200
-    seed: int = 42
-    # memory plan (TrainConfig): sequences per micro-step over all devices (0 = batch_size, no
-    # gradient accumulation), dtypes ("auto": bf16 on GPU/TPU, f32 on CPU), anchors per
-    # rematerialized chunk (-1 = all at once)
-    micro_batch_size: int = 0
-    compute_dtype: str = "auto"
-    target_dtype: str = "auto"
-    anchor_chunk: int = -1
+    train: TrainConfig = DRAFTER_TRAIN
+    min_loss_tokens: int = 4
+    eval_one_in: int = 20
 
-    def train_config(self, seed: int) -> TrainConfig:
-        """The drafters stage's TrainConfig (one per drafter kind; `seed` is the drafter's)."""
-        micro = self.micro_batch_size or self.batch_size
-        return TrainConfig(
-            learning_rate=self.lr, total_steps=self.steps, warmup_ratio=0.05,
-            global_batch_size=self.batch_size, micro_batch_size=micro,
-            seq_buckets=(self.seq_len,), compute_dtype=self.compute_dtype,
-            target_dtype=self.target_dtype, anchor_chunk=self.anchor_chunk,
-            eval_interval=self.eval_every, eval_batch_size=micro, max_eval_batches=4,
-            checkpoint_interval=self.eval_every, seed=seed, pad_id=0,
-            # the reference's training τ: mean over blocks of per-block survival products
-            best_metric="tau",
-        )  # fmt: skip
+    def train_config(self, seed: int | None = None) -> TrainConfig:
+        """`train`, with another seed if given."""
+        return self.train if seed is None else self.train.replace(seed=seed)
 
 
 @dataclasses.dataclass(frozen=True)
 class CalibrateStage:
+    # the last regenerated conversations, at most max_prompts and one in `heldout_one_in`
     max_prompts: int = 60
     max_new_tokens: int = 96
+    heldout_one_in: int = 10
+    seed: int = 12345  # sampling seed of the calibration decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +170,66 @@ class PipelineConfig:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PipelineConfig:
+        """From `to_json` output, or from an older run directory's flat layout."""
+        return from_json(cls, upgrade_legacy_json(d))
+
+
+# The flat layout before the stages held a TrainConfig: old key -> its TrainConfig field.
+_LEGACY_TRAIN_KEYS = {
+    "target": {
+        "steps": "total_steps", "batch_size": "global_batch_size", "seq_len": "seq_buckets",
+        "lr": "learning_rate", "warmup_frac": "warmup_ratio", "seed": "seed",
+    },
+    "drafters": {
+        "steps": "total_steps", "batch_size": "global_batch_size", "seq_len": "seq_buckets",
+        "lr": "learning_rate", "eval_every": "eval_interval", "seed": "seed",
+        "micro_batch_size": "micro_batch_size", "compute_dtype": "compute_dtype",
+        "target_dtype": "target_dtype", "anchor_chunk": "anchor_chunk",
+    },
+}  # fmt: skip
+_LEGACY_NOTES = {
+    "seq_len": " (a list: e.g. =256)",
+    "eval_every": " (and .checkpoint_interval)",
+    "micro_batch_size": " (and .eval_batch_size)",
+    "batch_size": " (and .micro_batch_size for the target)",
+}
+
+
+def legacy_key_error(key: str) -> ConfigError | None:
+    """The error for a `--set` key of the older flat layout (`drafters.lr`), naming the new key."""
+    sec, _, name = key.partition(".")
+    new = _LEGACY_TRAIN_KEYS.get(sec, {}).get(name)
+    if new is None:
+        return None
+    return ConfigError(
+        f"--set {key}: the key moved to {sec}.train.{new}{_LEGACY_NOTES.get(name, '')} — use "
+        f"--set {sec}.train.{new}=..."
+    )
+
+
+def upgrade_legacy_json(d: dict[str, Any]) -> dict[str, Any]:
+    """An older run directory's config.json (flat `drafters.lr`, `target.steps`, ...) in the
+    current layout, with the values the older code derived from them; current JSON unchanged."""
+    d = copy.deepcopy(d)
+    for sec, keys in _LEGACY_TRAIN_KEYS.items():
+        s = d.get(sec)
+        if not isinstance(s, dict) or "train" in s or not set(s) & set(keys):
+            continue
+        old = {k: s.pop(k) for k in keys if k in s}
+        train = (TARGET_TRAIN if sec == "target" else DRAFTER_TRAIN).to_json()
+        for k, v in old.items():
+            train[keys[k]] = [v] if k == "seq_len" else v
+        if sec == "drafters":
+            micro = old.get("micro_batch_size") or train["global_batch_size"]
+            train.update(micro_batch_size=micro, eval_batch_size=micro)
+            train["checkpoint_interval"] = train["eval_interval"]
+        else:
+            train["micro_batch_size"] = train["global_batch_size"]
+        s["train"] = train
+    return d
 
 
 def absolute_paths(cfg: PipelineConfig) -> PipelineConfig:
@@ -207,6 +284,9 @@ def apply_overrides(cfg, overrides: list[str]):
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, value = item.split("=", 1)
+        legacy = legacy_key_error(key.strip())
+        if legacy is not None:
+            raise legacy
         cfg = _set_path(cfg, key.strip().split("."), value.strip(), key)
     return cfg
 
@@ -234,24 +314,3 @@ def _set_path(obj, parts: list[str], value: str, key: str):
             raise ConfigError(f"{key!r}: {head!r} is not a section")
         new = _set_path(cur, parts[1:], value, key)
     return dataclasses.replace(obj, **{head: new})
-
-
-def from_json(cls, d: dict):
-    """Rebuild a (nested) config dataclass from `dataclasses.asdict` output (run_dir/config.json)."""
-    hints = typing.get_type_hints(cls)
-    kw = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in d:
-            continue
-        v, typ = d[f.name], hints[f.name]
-        args = [a for a in typing.get_args(typ) if a is not type(None)]
-        base = args[0] if typing.get_origin(typ) in (typing.Union, types.UnionType) else typ
-        if dataclasses.is_dataclass(base) and isinstance(v, dict):
-            v = from_json(base, v)
-        elif typing.get_origin(base) is tuple and isinstance(v, list):
-            v = tuple(v)
-        kw[f.name] = v
-    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-        raise ConfigError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
-    return cls(**kw)

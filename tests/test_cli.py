@@ -50,7 +50,8 @@ def bad_files(tmp_path_factory):
     "args, needle",
     [
         (["--set", "nope=1"], "unknown config key 'nope'"),
-        (["--set", "drafters.steps=abc"], "cannot parse"),
+        (["--set", "drafters.train.total_steps=abc"], "cannot parse"),
+        (["--set", "drafters.steps=3"], "moved to drafters.train.total_steps"),
         (["--set", "evaluate.temperature=-1"], "evaluate.temperature=-1.0 is out of range"),
         (["--set", "drafters.markov_head_type=gatd"], "markov_head_type='gatd' is unknown"),
         (["--set", "data.eval_prompt_files=/no/such.jsonl"], "does not exist"),
@@ -107,8 +108,9 @@ def trained_run(tmp_path_factory):
     """A small run: target + one DSpark drafter (no calibration / evaluation)."""
     run = tmp_path_factory.mktemp("trained") / "run"
     sets = [
-        "target.steps=4", "regenerate.max_prompts=8", "regenerate.max_new_tokens=8",
-        "drafters.kinds=dspark", "drafters.steps=2", "drafters.eval_every=5",
+        "target.train.total_steps=4", "regenerate.max_prompts=8", "regenerate.max_new_tokens=8",
+        "drafters.kinds=dspark", "drafters.train.total_steps=2", "drafters.train.eval_interval=5",
+        "drafters.train.checkpoint_interval=5",
         "calibrate.max_prompts=2",
     ]  # fmt: skip
     args = ["--config", "configs/micro.py", "--run-dir", str(run)]
@@ -122,7 +124,7 @@ def trained_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_serve_generate_on_moved_run_and_its_errors(trained_run, tmp_path):
-    # drafters.steps < eval_every: the stage still evaluated and kept a best checkpoint
+    # drafters.train.total_steps < eval_interval: the stage still evaluated and kept a best checkpoint
     assert (trained_run / "drafters" / "dspark" / "best").is_dir()
     moved = tmp_path / "copied-run"
     import shutil

@@ -66,7 +66,7 @@ def test_micro_pipeline_end_to_end_and_resume(tmp_path):
     assert all(p.stat().st_mtime == t for p, t in mtimes.items())
     # a changed drafter setting redoes drafters and what follows, nothing before
     out3 = _run(
-        ["--config", "configs/micro.py", "--run-dir", str(run_dir), "--set", "drafters.steps=4",
+        ["--config", "configs/micro.py", "--run-dir", str(run_dir), "--set", "drafters.train.total_steps=4",
          "--stages", "corpus,tokenizer,target,regenerate,drafters"]
     )  # fmt: skip
     assert "target: cached" in out3 and "regenerate: cached" in out3 and "drafters: ran" in out3
@@ -97,9 +97,60 @@ def test_unknown_override_keys_are_errors():
     with pytest.raises(ConfigError, match="no field 'stepz'"):
         apply_overrides(cfg, ["drafters.stepz=3"])
     with pytest.raises(ConfigError, match="cannot parse"):
-        apply_overrides(cfg, ["drafters.steps=abc"])
-    got = apply_overrides(cfg, ["drafters.steps=7", "drafters.kinds=dspark,dflash"])
-    assert got.drafters.steps == 7 and got.drafters.kinds == ("dspark", "dflash")
+        apply_overrides(cfg, ["drafters.train.total_steps=abc"])
+    got = apply_overrides(cfg, ["drafters.train.total_steps=7", "drafters.kinds=dspark,dflash"])
+    assert got.drafters.train.total_steps == 7 and got.drafters.kinds == ("dspark", "dflash")
+    got = apply_overrides(cfg, ["drafters.train.learning_rate=1e-3", "target.train.seed=3"])
+    assert got.drafters.train.learning_rate == 1e-3 and got.target.train.seed == 3
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [("drafters.lr", "drafters.train.learning_rate"), ("drafters.steps", "drafters.train.total_steps"),
+     ("drafters.seq_len", "drafters.train.seq_buckets"), ("target.warmup_frac", "target.train.warmup_ratio"),
+     ("target.seed", "target.train.seed")],
+)  # fmt: skip
+def test_old_flat_keys_name_the_new_key(old, new):
+    with pytest.raises(
+        ConfigError, match=rf"--set {old}: the key moved to {new}.* use --set {new}="
+    ):
+        apply_overrides(PipelineConfig(), [f"{old}=1"])
+
+
+def test_old_run_config_json_is_translated_on_load(tmp_path):
+    """A run directory written before the stages held a TrainConfig (flat drafters.lr, ...)
+    loads as the configuration the older code ran: the values it derived from the flat keys."""
+    from dspark_jax.run.rundir import RunDir
+
+    old = PipelineConfig().to_json()
+    for sec in ("target", "drafters"):
+        old[sec].pop("train")
+    old["target"].update(steps=30, batch_size=8, seq_len=128, lr=3e-3, warmup_frac=0.05, seed=0)
+    old["drafters"].update(
+        steps=6, batch_size=4, micro_batch_size=0, seq_len=128, lr=3e-3, eval_every=3, seed=42,
+        compute_dtype="auto", target_dtype="auto", anchor_chunk=-1,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    cfg = RunDir(tmp_path).config
+    d, t = cfg.drafters.train, cfg.target.train
+    assert (d.total_steps, d.global_batch_size, d.micro_batch_size, d.eval_batch_size) == (
+        6,
+        4,
+        4,
+        4,
+    )
+    assert (d.seq_buckets, d.eval_interval, d.checkpoint_interval, d.seed) == ((128,), 3, 3, 42)
+    assert (d.warmup_ratio, d.max_eval_batches, d.best_metric) == (0.05, 4, "tau")
+    assert (t.total_steps, t.global_batch_size, t.micro_batch_size, t.seq_buckets) == (
+        30,
+        8,
+        8,
+        (128,),
+    )
+    assert (t.weight_decay, t.checkpoint_interval, t.seed) == (0.01, 200, 0)
+    (tmp_path / "config.json").write_text(json.dumps({**old, "drafters": {"nope": 1}}))
+    with pytest.raises(ConfigError, match="does not match this version.*retrain"):
+        RunDir(tmp_path)
 
 
 def test_cli_reports_bad_config(tmp_path):
@@ -123,12 +174,14 @@ def test_cli_reports_bad_config(tmp_path):
 # 128-token context cap).
 # Not scaled: the model (the tiny checkpoint and its feature layers replace Qwen3-4B's), the
 # drafter architecture (γ, layers, Markov rank), sampling settings and the mesh (the preset's
-# fsdp=2 x tensor=4 on 8 simulated devices); training length (steps, eval_every) is cut to 2,
+# fsdp=2 x tensor=4 on 8 simulated devices); training length (steps, eval_interval) is cut to 2,
 # which changes how long training runs, not what has to fit.
 PRESET_SCALE = 1 / 64
 _SCALED = {
     "regenerate": ("max_new_tokens", "max_prompts", "batch_size"),
-    "drafters": ("num_anchors", "batch_size", "seq_len", "micro_batch_size", "anchor_chunk"),
+    "drafters": ("num_anchors",),
+    "drafters.train": ("global_batch_size", "seq_buckets", "micro_batch_size", "eval_batch_size",
+                       "anchor_chunk"),
     "calibrate": ("max_prompts", "max_new_tokens"),
     "evaluate": ("max_prompts_per_dataset", "max_new_tokens", "batch_size", "max_len",
                  "speed_prompts"),
@@ -142,11 +195,16 @@ def scaled_preset_overrides(cfg: PipelineConfig, factor: float = PRESET_SCALE) -
     shards = max(cfg.mesh.data, 1) * cfg.mesh.fsdp
     out = []
     for stage, fields in _SCALED.items():
+        sec = cfg
+        for part in stage.split("."):
+            sec = getattr(sec, part)
         for f in fields:
-            v = getattr(getattr(cfg, stage), f)
-            if v > 0:  # 0 / -1 mean "all" / "the target's" and stay as they are
+            v = getattr(sec, f)
+            if f == "seq_buckets":
+                out.append(f"{stage}.{f}=" + ",".join(str(max(1, round(b * factor))) for b in v))
+            elif v > 0:  # 0 / -1 mean "all" / "the target's" and stay as they are
                 n = max(1, round(v * factor))
-                if stage == "drafters" and f in ("batch_size", "micro_batch_size"):
+                if stage == "drafters.train" and "batch_size" in f:
                     n = -(-n // shards) * shards
                 out.append(f"{stage}.{f}={n}")
     return out
@@ -188,12 +246,15 @@ def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
     sets = [
         f"target.path={ckpt}", "target.target_layer_ids=0,1,2",  # the model swap
         f"data.conversation_files={conv}", "data.eval_prompt_files=" + ",".join(evals),
-        "drafters.steps=2", "drafters.eval_every=2",
+        "drafters.train.total_steps=2", "drafters.train.eval_interval=2",
+        "drafters.train.checkpoint_interval=2",
         "evaluate.speed_reps=0",  # the timing breakdown: minutes of compiling on 8 CPU devices
         *scaled_preset_overrides(preset),
     ]  # fmt: skip
-    assert "drafters.seq_len=64" in sets and "evaluate.max_len=128" in sets
-    assert "drafters.micro_batch_size=2" in sets  # 4/64 -> 1 -> whole sequences per fsdp shard
+    assert "drafters.train.seq_buckets=64" in sets and "evaluate.max_len=128" in sets
+    # 4/64 -> 1 -> whole sequences per fsdp shard
+    assert "drafters.train.micro_batch_size=2" in sets
+    assert "drafters.train.eval_batch_size=2" in sets
     args = ["--config", "configs/qwen3_4b_dspark.py", "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]

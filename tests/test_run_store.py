@@ -62,10 +62,14 @@ def test_eval_temperature_changes_calibrate_and_evaluate(tmp_path):
 def test_upstream_changes_propagate_and_bookkeeping_fields_do_not(tmp_path):
     base = _keys(tmp_path)
     later = {"drafters", "calibrate", "evaluate"}
-    assert _changed(base, _keys(tmp_path, "drafters.steps=4")) == later
+    assert _changed(base, _keys(tmp_path, "drafters.train.total_steps=4")) == later
     # calibrate.max_prompts sets the regeneration split
     assert _changed(base, _keys(tmp_path, "calibrate.max_prompts=5")) == {"regenerate", *later}
-    assert _changed(base, _keys(tmp_path, "target.steps=3")) == {"target", "regenerate", *later}
+    assert _changed(base, _keys(tmp_path, "target.train.total_steps=3")) == {
+        "target",
+        "regenerate",
+        *later,
+    }
     assert _changed(base, _keys(tmp_path, "keep_versions=1")) == set()
     assert _changed(base, _keys(tmp_path / "elsewhere")) == set()  # run_dir is not an input
 
@@ -149,7 +153,8 @@ def test_missing_upstream_is_an_error_before_anything_runs(tmp_path):
         ("drafters.markov_head_type=gatd", "markov_head_type='gatd' is unknown"),
         ("drafters.kinds=dspark,medusa", "unknown drafter kind 'medusa'"),
         ("regenerate.top_p=0", "regenerate.top_p=0.0 is out of range"),
-        ("drafters.steps=0", "drafters.steps=0 is out of range"),
+        ("drafters.train.total_steps=0", "drafters.train.total_steps=0 is out of range"),
+        ("drafters.lr=0.1", "moved to drafters.train.learning_rate"),
         ("evaluate.max_new_tokens=5000", "leaves -"),
         ("evaluate.max_len=4096", "exceeds the target's context"),
         ("data.eval_prompt_files=/nonexistent/p.jsonl", "does not exist"),

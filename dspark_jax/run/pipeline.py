@@ -152,28 +152,30 @@ class Pipeline(StagedRun):
             return {"source": c.target.path, "params": _count(self.target()[1])}
         from dspark_jax.models.hf import save_target_hf
         from dspark_jax.train.data_templates import RenderConfig, encode_conversations
-        from dspark_jax.train.lm import LMTrainConfig, train_lm
+        from dspark_jax.train.lm import train_lm
 
+        t = c.target
         tok = self.tokenizer()
-        vocab = _round_up(len(tok), 64)
-        tcfg = c.target.model.replace(vocab_size=vocab)
+        vocab = _round_up(len(tok), t.vocab_multiple)
+        tcfg = t.model.replace(vocab_size=vocab)
         convs = self._training_conversations()
-        rc = RenderConfig(max_length=c.target.seq_len * 4, min_loss_tokens=1)
+        rc = RenderConfig(
+            max_length=max(t.train.seq_buckets) * t.render_windows,
+            min_loss_tokens=t.min_loss_tokens,
+        )
         samples, _ = encode_conversations(tok, convs, rc)
-        rng = np.random.default_rng(c.target.seed)
+        rng = np.random.default_rng(t.train.seed)
         order = rng.permutation(len(samples))
-        n_held = max(1, len(samples) // 50)
+        n_held = max(1, len(samples) // t.heldout_one_in)
         held = [samples[i].input_ids for i in order[:n_held]]
         train = [samples[i].input_ids for i in order[n_held:]]
-        lm = LMTrainConfig(
-            steps=c.target.steps, batch_size=c.target.batch_size, seq_len=c.target.seq_len,
-            lr=c.target.lr, warmup_frac=c.target.warmup_frac, seed=c.target.seed,
-        )  # fmt: skip
         self.log(
             f"  target: {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, vocab {vocab}; "
             f"{sum(len(t) for t in train)} training tokens"
         )
-        params, log = train_lm(tcfg, train, lm, self.stage_dir("target"), heldout_token_lists=held)
+        params, log = train_lm(
+            tcfg, train, t.train, self.stage_dir("target"), heldout_token_lists=held
+        )
         save_target_hf(tcfg, params, self.stage_dir("target") / "hf", tokenizer=tok)
         self.rundir.forget("target")
         write_json_atomic(self.stage_dir("target") / "train_log.json", log)
@@ -219,7 +221,7 @@ class Pipeline(StagedRun):
         buckets = tuple(b for b in LENGTH_BUCKETS if b <= ctx)
         shard_dir = self.stage_dir("regenerate") / "shards"
         shard_dir.mkdir(parents=True, exist_ok=True)
-        shard = max(c.batch_size, 1) * 4
+        shard = max(c.batch_size, 1) * c.shard_batches
         # multi-process: process k regenerates shards s % n == k into <s>.p<k>.jsonl
         pi, pn = jax.process_index(), jax.process_count()
         mine = [lo for lo in range(0, len(prompts), shard) if (lo // shard) % pn == pi]
@@ -297,7 +299,8 @@ class Pipeline(StagedRun):
         for p in sorted((self.stage_dir("regenerate") / "shards").glob("*.jsonl")):
             got, _ = read_conversations(p, keep_system=True)
             convs += got
-        n_cal = min(self.cfg.calibrate.max_prompts, max(len(convs) // 10, 1))
+        c = self.cfg.calibrate
+        n_cal = min(c.max_prompts, max(len(convs) // c.heldout_one_in, 1))
         return convs[: len(convs) - n_cal], convs[len(convs) - n_cal :]
 
     def _stage_drafters(self):
@@ -309,18 +312,18 @@ class Pipeline(StagedRun):
         tok = self.tokenizer()
         train_convs, _ = self._regenerated()
         rc = RenderConfig(
-            max_length=d.seq_len, min_loss_tokens=4,
+            max_length=max(d.train.seq_buckets), min_loss_tokens=d.min_loss_tokens,
             default_system_prompt=self.default_system_prompt(),
         )  # fmt: skip
         samples, stats = encode_conversations(tok, train_convs, rc)
         self.log(f"  {stats.summary()}")
-        n_eval = max(d.batch_size, len(samples) // 20)
+        n_eval = max(d.train.global_batch_size, len(samples) // d.eval_one_in)
         eval_s, train_s = samples[:n_eval], samples[n_eval:]
         info = {}
         for kind in d.kinds:
             dcfg = self.rundir.drafter_config(kind, tcfg)
             trainer = Trainer.for_drafter(
-                d.train_config(seed=dcfg.seed), dcfg, tparams, train_data=train_s,
+                d.train, dcfg, tparams, train_data=train_s,
                 eval_data=eval_s, run_dir=self.stage_dir("drafters") / kind,
                 mesh=self.mesh, target_name=self.rundir.target_name(),
                 vocab_hash=self.rundir.vocab_hash(),
@@ -329,7 +332,7 @@ class Pipeline(StagedRun):
             res = trainer.run()
             best_step, best_score = res.best_step, res.best_score
             if not (trainer.run_dir / "best").is_dir() or best_step is None:
-                # fewer steps than eval_every, or resumed after the last step: evaluate now so
+                # fewer steps than eval_interval, or resumed after the last step: evaluate now so
                 # that the stage always ends with a best checkpoint
                 trainer.evaluate()
                 trainer.best_ckpt.wait()
@@ -337,7 +340,8 @@ class Pipeline(StagedRun):
             if best_step is None:
                 raise ConfigError(
                     f"the {kind} drafter's evaluation gave no finite simulated τ, so there is no "
-                    "best checkpoint — lower drafters.lr or raise drafters.steps"
+                    "best checkpoint — lower drafters.train.learning_rate or raise "
+                    "drafters.train.total_steps"
                 )
             info[kind] = {"best_step": best_step, "best_sim_tau": best_score}
         return info
@@ -363,7 +367,7 @@ class Pipeline(StagedRun):
         g = dec.dcfg.block_size
         res = run_dataset(
             dec, EvalDataset("calibration", "mixed", prompts), max_new_tokens=c.max_new_tokens,
-            temperature=self.cfg.evaluate.temperature, seed=12345, stop_ids=self.stop_ids(),
+            temperature=self.cfg.evaluate.temperature, seed=c.seed, stop_ids=self.stop_ids(),
             batch_size=self.cfg.evaluate.batch_size,
         )  # fmt: skip
         rho, a, n = calibration_pairs(res, g)

@@ -23,7 +23,7 @@ from typing import Any
 
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.errors import CheckpointError, ConfigError
-from dspark_jax.pipeline_config import PipelineConfig, from_json
+from dspark_jax.pipeline_config import PipelineConfig
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 # prompt-length buckets of the evaluation / generation decoder (those below max_len are used)
@@ -60,7 +60,13 @@ class RunDir:
             raise ConfigError(f"{f} is not valid JSON ({e}) — restore it or retrain") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{f} must hold a JSON object — restore it or retrain")
-        return from_json(PipelineConfig, d)
+        try:  # an older layout is translated (pipeline_config.upgrade_legacy_json)
+            return PipelineConfig.from_json(d)
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(
+                f"{f} does not match this version's configuration ({e}) — retrain into a new "
+                "run directory"
+            ) from None
 
     # -- layout ---------------------------------------------------------------------------
 
@@ -138,7 +144,7 @@ class RunDir:
 
     def drafter_config(self, kind: str, tcfg: TargetConfig) -> DrafterConfig:
         d = self.config.drafters
-        common = dict(block_size=d.block_size, seed=d.seed)
+        common = dict(block_size=d.block_size, seed=d.train.seed)
         if kind == "eagle3":
             return DrafterConfig.eagle3(tcfg, **common)
         common.update(

@@ -103,8 +103,8 @@ class StagedRun:
                 return ("target.target_layer_ids",), files, ()
             files["conversations"] = convs
             fields = tuple(
-                f"target.{k}" for k in ("model", "steps", "batch_size", "seq_len", "lr",
-                                        "warmup_frac", "seed")
+                f"target.{k}" for k in ("model", "train", "vocab_multiple", "render_windows",
+                                        "min_loss_tokens", "heldout_one_in")
             )  # fmt: skip
             return fields, files, ("tokenizer", *corpus)
         if stage == "regenerate":
@@ -112,7 +112,7 @@ class StagedRun:
             return ("regenerate", "calibrate.max_prompts"), files, ("tokenizer", "target", *corpus)
         if stage == "drafters":
             return (
-                ("drafters", "calibrate.max_prompts"),
+                ("drafters", "calibrate.max_prompts", "calibrate.heldout_one_in"),
                 files,
                 ("tokenizer", "target", "regenerate"),
             )

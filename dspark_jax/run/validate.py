@@ -25,11 +25,13 @@ DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 _RANGES: dict[str, tuple] = {
     "keep_versions": (0, None, True, True),
     "tokenizer.vocab_size": (260, None, True, True),
-    "target.steps": (1, None, True, True),
-    "target.batch_size": (1, None, True, True),
-    "target.seq_len": (8, None, True, True),
-    "target.lr": (0, None, False, True),
-    "target.warmup_frac": (0, 1, True, False),
+    "target.train.total_steps": (1, None, True, True),
+    "target.train.learning_rate": (0, None, False, True),
+    "target.train.anchor_chunk": (-1, None, True, True),
+    "target.vocab_multiple": (1, None, True, True),
+    "target.render_windows": (1, None, True, True),
+    "target.heldout_one_in": (2, None, True, True),
+    "regenerate.shard_batches": (1, None, True, True),
     "regenerate.temperature": (0, None, True, True),
     "regenerate.top_p": (0, 1, False, True),
     "regenerate.max_new_tokens": (1, None, True, True),
@@ -38,25 +40,37 @@ _RANGES: dict[str, tuple] = {
     "drafters.block_size": (1, None, True, True),
     "drafters.num_layers": (1, None, True, True),
     "drafters.num_anchors": (1, None, True, True),
-    "drafters.steps": (1, None, True, True),
-    "drafters.batch_size": (1, None, True, True),
-    "drafters.seq_len": (8, None, True, True),
-    "drafters.lr": (0, None, False, True),
-    "drafters.eval_every": (1, None, True, True),
+    "drafters.train.total_steps": (1, None, True, True),
+    "drafters.train.learning_rate": (0, None, False, True),
+    "drafters.train.eval_interval": (1, None, True, True),
+    "drafters.eval_one_in": (1, None, True, True),
+    "calibrate.heldout_one_in": (1, None, True, True),
     "calibrate.max_new_tokens": (1, None, True, True),
     "evaluate.max_prompts_per_dataset": (1, None, True, True),
     "evaluate.max_new_tokens": (1, None, True, True),
     "evaluate.temperature": (0, None, True, True),
     "evaluate.batch_size": (1, None, True, True),
     "evaluate.max_len": (0, None, True, True),
-    "drafters.anchor_chunk": (-1, None, True, True),  # -1 = all anchors at once
+    "drafters.train.anchor_chunk": (-1, None, True, True),  # -1 = all anchors at once
     "mesh.data": (-1, None, True, True),  # -1 = the devices left after fsdp x tensor
     "mesh.fsdp": (1, None, True, True),
     "mesh.tensor": (1, None, True, True),
     "data.corpus.heldout_fraction": (0, 1, True, True),
     "data.corpus.two_turn_fraction": (0, 1, True, True),
 }
-_NO_RANGE = {"target.seed", "regenerate.seed", "drafters.seed", "evaluate.seed", "data.corpus.seed"}
+_NO_RANGE = {
+    "target.train.seed",
+    "target.train.data_seed",
+    "regenerate.seed",
+    "drafters.train.seed",
+    "drafters.train.data_seed",
+    "calibrate.seed",
+    "evaluate.seed",
+    "data.corpus.seed",
+}
+# (the TrainConfig sections check their own cross-field rules when built; their sequence
+# lengths must hold a rendered sample)
+_MIN_SEQ_LEN = 8
 
 
 def validate_config(cfg: PipelineConfig) -> None:
@@ -79,8 +93,12 @@ def validate_config(cfg: PipelineConfig) -> None:
             f"drafters.markov_head_type={d.markov_head_type!r} is unknown — use one of "
             + ", ".join(MARKOV_HEAD_TYPES)
         )
-    if hasattr(d, "train_config"):  # the drafters stage's TrainConfig checks its own fields
-        d.train_config(d.seed)
+    for sec in ("target", "drafters"):
+        buckets = getattr(cfg, sec).train.seq_buckets
+        if min(buckets) < _MIN_SEQ_LEN:
+            raise ConfigError(
+                f"{sec}.train.seq_buckets={buckets} must be >= {_MIN_SEQ_LEN} tokens — raise them"
+            )
     if d.markov_rank < 0:
         raise ConfigError(f"drafters.markov_rank={d.markov_rank} must be >= 0 (0 = no Markov head)")
 

@@ -9,7 +9,6 @@ seeded by (seed, epoch).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from pathlib import Path
@@ -24,18 +23,6 @@ from dspark_jax.config import TargetConfig, TrainConfig
 from dspark_jax.models.transformer import forward, init_params
 from dspark_jax.train.checkpoint import Checkpointer, abstract_like
 from dspark_jax.train.optimizer import make_optimizer
-
-
-@dataclasses.dataclass(frozen=True)
-class LMTrainConfig:
-    steps: int = 1000
-    batch_size: int = 16
-    seq_len: int = 256
-    lr: float = 3e-3
-    warmup_frac: float = 0.05
-    weight_decay: float = 0.01
-    seed: int = 0
-    checkpoint_every: int = 200
 
 
 def pack_windows(token_lists, seq_len: int) -> np.ndarray:
@@ -70,28 +57,25 @@ def _step(cfg, opt, params, opt_state, batch):
 def train_lm(
     cfg: TargetConfig,
     token_lists,
-    tc: LMTrainConfig,
+    tc: TrainConfig,
     run_dir: str | os.PathLike,
     *,
     heldout_token_lists=None,
     progress: bool = True,
 ):
-    """Train a target from scratch (or resume from `run_dir/ckpt`). Returns (params, log)."""
+    """Train a target from scratch (or resume from `run_dir/ckpt`). Returns (params, log).
+
+    Reads from `tc`: the optimizer fields, `total_steps` steps of `global_batch_size` windows of
+    `max(seq_buckets)` tokens, `seed` (init and data order), `checkpoint_interval`, the loss logged
+    every `log_interval` steps, and `max_eval_batches` batches of held-out windows."""
     run_dir = Path(run_dir)
-    windows = pack_windows(token_lists, tc.seq_len)
-    if len(windows) < tc.batch_size:
+    seq_len, batch_size, steps = max(tc.seq_buckets), tc.global_batch_size, tc.total_steps
+    windows = pack_windows(token_lists, seq_len)
+    if len(windows) < batch_size:
         raise ValueError(
-            f"only {len(windows)} windows of {tc.seq_len} tokens for batch_size={tc.batch_size}"
+            f"only {len(windows)} windows of {seq_len} tokens for batch_size={batch_size}"
         )
-    opt_cfg = TrainConfig(
-        learning_rate=tc.lr,
-        warmup_ratio=tc.warmup_frac,
-        total_steps=tc.steps,
-        weight_decay=tc.weight_decay,
-        global_batch_size=tc.batch_size,
-        micro_batch_size=tc.batch_size,
-    )
-    opt = make_optimizer(opt_cfg, tc.steps)
+    opt = make_optimizer(tc, steps)
     params = init_params(cfg, tc.seed)
     opt_state = opt.init(params)
     ckpt = Checkpointer(run_dir / "ckpt", max_to_keep=1, async_save=True)
@@ -100,29 +84,30 @@ def train_lm(
     if restored is not None:
         start, state, _ = restored
         params, opt_state = state["params"], state["opt"]
-    per_epoch = len(windows) // tc.batch_size
+    per_epoch = len(windows) // batch_size
 
     def batch_at(step):
         epoch, i = divmod(step, per_epoch)
         order = np.random.default_rng([tc.seed, epoch]).permutation(len(windows))
-        return windows[order[i * tc.batch_size : (i + 1) * tc.batch_size]]
+        return windows[order[i * batch_size : (i + 1) * batch_size]]
 
     log = []
-    bar = tqdm(total=tc.steps, initial=start, desc="target", disable=not progress, unit="step")
+    bar = tqdm(total=steps, initial=start, desc="target", disable=not progress, unit="step")
     loss = None
-    for step in range(start, tc.steps):
+    for step in range(start, steps):
         params, opt_state, loss = _step(cfg, opt, params, opt_state, jnp.asarray(batch_at(step)))
-        if step % 20 == 0 or step == tc.steps - 1:
+        if step % tc.log_interval == 0 or step == steps - 1:
             lv = float(loss)
             log.append({"step": step, "loss": lv})
             bar.set_postfix(loss=f"{lv:.3f}")
         bar.update(1)
-        if tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and step + 1 < tc.steps:
+        every = tc.checkpoint_interval
+        if every and (step + 1) % every == 0 and step + 1 < steps:
             ckpt.save(step + 1, {"params": params, "opt": opt_state}, {"kind": "target"})
     bar.close()
     ckpt.close()
     if heldout_token_lists:
-        hw = pack_windows(heldout_token_lists, tc.seq_len)[: 4 * tc.batch_size]
+        hw = pack_windows(heldout_token_lists, seq_len)[: tc.max_eval_batches * batch_size]
         ev = jax.jit(functools.partial(_loss, cfg))
         log.append({"heldout_loss": float(ev(params, jnp.asarray(hw)))})
     return params, log
