@@ -41,19 +41,18 @@ from safetensors.numpy import save_file
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.api import graphdef, init_params
 from dspark_jax.drafters.common import DrafterParams
-from dspark_jax.drafters.compat import TargetId, check_fits
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.io import atomic_path, write_text_atomic
 from dspark_jax.models.hf import (
-    _FLOAT_DTYPES,
-    _NP_DTYPE,
+    FLOAT_DTYPES,
+    NP_DTYPE,
     SAFETENSORS,
-    _headers,
-    _to_host,
-    _weight_files,
     config_from_hf,
     hf_config_dict,
     read_hf_config,
+    tensor_headers,
+    to_host,
+    weight_files,
 )
 
 _ARCH_PREFIX = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
@@ -126,10 +125,7 @@ def drafter_config_from_hf(
             for a in hf.get("architectures") or []
         ]
         target = config_from_hf(t, dtype=dtype, target_layer_ids=layer_ids)
-    try:
-        check_fits(target, trained_for=_hf_target_id(hf, layer_ids))
-    except ConfigError as e:
-        raise CheckpointError(f"drafter config.json: {e}") from e
+    _check_target(hf, target, layer_ids)
     fields: dict[str, Any] = dict(num_layers=int(hf["num_hidden_layers"]), dtype=dtype)
     if kind == "eagle3":
         fields.update(
@@ -156,22 +152,35 @@ def drafter_config_from_hf(
         raise CheckpointError(f"drafter config.json: {e}") from e
 
 
-def _hf_target_id(hf: Mapping[str, Any], layer_ids) -> TargetId:
-    """The target a drafter's config.json says it was trained for (its shapes are the target's)."""
-
-    def num(key):
-        return int(hf[key]) if key in hf else None
-
-    return TargetId(
-        target_layer_ids=tuple(layer_ids),
-        num_layers=num("num_target_layers"),
-        hidden_size=num("hidden_size"),
-        vocab_size=num("vocab_size"),
-        num_heads=num("num_attention_heads"),
-        num_kv_heads=num("num_key_value_heads"),
-        head_dim=num("head_dim"),
-        intermediate_size=num("intermediate_size"),
-    )
+def _check_target(hf: Mapping[str, Any], target: TargetConfig, layer_ids) -> None:
+    """The drafter must copy its target's shapes and read its feature layers."""
+    pairs = {
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads,
+        "intermediate_size": target.intermediate_size,
+    }
+    if "head_dim" in hf:
+        pairs["head_dim"] = target.head_dim
+    bad = {k: (hf[k], v) for k, v in pairs.items() if k in hf and int(hf[k]) != v}
+    if bad:
+        detail = ", ".join(f"{k}: drafter {a} vs target {b}" for k, (a, b) in bad.items())
+        raise CheckpointError(
+            f"drafter is incompatible with the target ({detail}); load the drafter trained for "
+            "this target"
+        )
+    if tuple(layer_ids) != tuple(target.target_layer_ids):
+        raise CheckpointError(
+            f"drafter reads target layers {tuple(layer_ids)} but the target config captures "
+            f"{tuple(target.target_layer_ids)}: build the target with "
+            f"target_layer_ids={tuple(layer_ids)}"
+        )
+    if "num_target_layers" in hf and int(hf["num_target_layers"]) != target.num_layers:
+        raise CheckpointError(
+            f"drafter was trained for a {hf['num_target_layers']}-layer target, the target has "
+            f"{target.num_layers} layers"
+        )
 
 
 def hf_drafter_config_dict(cfg: DrafterConfig, dtype: str | None = None) -> dict[str, Any]:
@@ -242,7 +251,7 @@ def check_drafter_tensors(cfg: DrafterConfig, headers: Mapping, path: str = "<ch
                 f"shape mismatch for {name}: the config implies {shape}, checkpoint has "
                 f"{tuple(got)}"
             )
-        if dt not in _FLOAT_DTYPES:
+        if dt not in FLOAT_DTYPES:
             raise CheckpointError(f"{name} has dtype {dt}; only float tensors can be loaded")
     return expected
 
@@ -263,16 +272,16 @@ def load_hf_drafter(
     embedding / head from the checkpoint.
     """
     path = os.fspath(path)
-    if dtype not in _NP_DTYPE:
+    if dtype not in NP_DTYPE:
         raise CheckpointError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     if cfg is None:
         cfg = drafter_config_from_hf(read_hf_config(path), target, dtype=dtype, **overrides)
     elif target is not None and target != cfg.target:
         raise CheckpointError("cfg.target differs from the target passed; pass one of them")
-    files = _weight_files(path)
-    headers, prefix = _strip_prefix(_headers(files))
+    files = weight_files(path)
+    headers, prefix = _strip_prefix(tensor_headers(files))
     expected = check_drafter_tensors(cfg, headers, path)
-    np_dtype = _NP_DTYPE[cfg.dtype]
+    np_dtype = NP_DTYPE[cfg.dtype]
     flat: dict[str, list] = {"trainable": [], "frozen": []}
     abstract = nnx.eval_shape(lambda: init_params(cfg))
     absvars = {
@@ -300,14 +309,14 @@ def save_hf_drafter(
 
     out_dir = os.fspath(out_dir)
     dtype = dtype or cfg.dtype
-    if dtype not in _NP_DTYPE:
+    if dtype not in NP_DTYPE:
         raise CheckpointError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     tensors = {}
     for state in params:
         for p, var in nnx.to_flat_state(state):
             name, transpose = hf_drafter_name(p)
-            a = _to_host(var.get_value())
-            tensors[name] = np.ascontiguousarray(a.T if transpose else a).astype(_NP_DTYPE[dtype])
+            a = to_host(var.get_value())
+            tensors[name] = np.ascontiguousarray(a.T if transpose else a).astype(NP_DTYPE[dtype])
     check_drafter_tensors(cfg, {n: (t.shape, "F32") for n, t in tensors.items()}, "<params>")
     if jax.process_index() != 0:
         return out_dir

@@ -46,8 +46,8 @@ SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers some older checkpoints carry; recomputed by us, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
-_NP_DTYPE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+NP_DTYPE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 _HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _HF_ARCH = {v: k for k, v in _HF_CLASS.items()}
 _LAYER_IDS_KEY = "dspark_target_layer_ids"
@@ -193,7 +193,7 @@ def _target_config(hf: dict[str, Any], target_layer_ids, dtype: str) -> TargetCo
     )
 
 
-def _weight_files(path: str) -> dict[str, str]:
+def weight_files(path: str) -> dict[str, str]:
     """HF tensor name -> file path, from model.safetensors or the sharded index."""
     single = os.path.join(path, SAFETENSORS)
     index = os.path.join(path, SAFETENSORS_INDEX)
@@ -234,7 +234,7 @@ def _weight_files(path: str) -> dict[str, str]:
     return files
 
 
-def _headers(files: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+def tensor_headers(files: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
     """HF tensor name -> (shape, safetensors dtype) read from the headers only."""
     by_file: dict[str, list[str]] = {}
     for name, f in files.items():
@@ -274,7 +274,7 @@ def _check_tensors(cfg: TargetConfig, headers, path: str) -> dict:
             raise CheckpointError(
                 f"shape mismatch for {name}: config.json implies {shape}, checkpoint has {got}"
             )
-        if dt not in _FLOAT_DTYPES:
+        if dt not in FLOAT_DTYPES:
             raise CheckpointError(f"{name} has dtype {dt}; only float tensors can be loaded")
     return expected
 
@@ -288,7 +288,7 @@ def check_checkpoint(
     """Validate a checkpoint directory without reading weights; returns its TargetConfig."""
     path = os.fspath(path)
     cfg = config_from_hf(read_hf_config(path), dtype=dtype, target_layer_ids=target_layer_ids)
-    _check_tensors(cfg, _headers(_weight_files(path)), path)
+    _check_tensors(cfg, tensor_headers(weight_files(path)), path)
     return cfg
 
 
@@ -316,13 +316,13 @@ def load_target(
     tensor names, shapes or dtypes do not fit.
     """
     path = os.fspath(path)
-    if dtype not in _NP_DTYPE:
+    if dtype not in NP_DTYPE:
         raise CheckpointError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     cfg = config_from_hf(read_hf_config(path), dtype=dtype, target_layer_ids=target_layer_ids)
-    files = _weight_files(path)
-    expected = _check_tensors(cfg, _headers(files), path)
+    files = weight_files(path)
+    expected = _check_tensors(cfg, tensor_headers(files), path)
     abstract = _abstract_state(cfg)
-    np_dtype = _NP_DTYPE[dtype]
+    np_dtype = NP_DTYPE[dtype]
     shardings = None
     if mesh is not None:
         from dspark_jax.parallel import param_shardings
@@ -469,7 +469,7 @@ def hf_config_dict(cfg: TargetConfig, dtype: str | None = None) -> dict[str, Any
     return d
 
 
-def _to_host(x) -> np.ndarray:
+def to_host(x) -> np.ndarray:
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(jax.device_get(x))
     from jax.experimental import multihost_utils
@@ -494,7 +494,7 @@ def save_target_hf(
     """
     out_dir = os.fspath(out_dir)
     dtype = dtype or cfg.dtype
-    if dtype not in _NP_DTYPE:
+    if dtype not in NP_DTYPE:
         raise CheckpointError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     expected = {p: name for name, (p, _, _) in expected_tensors(cfg).items()}
     flat = dict(nnx.to_flat_state(params))
@@ -507,8 +507,8 @@ def save_target_hf(
     tensors = {}
     for p, var in flat.items():
         name, transpose = hf_name(p)
-        a = _to_host(var.get_value())
-        tensors[name] = np.ascontiguousarray(a.T if transpose else a).astype(_NP_DTYPE[dtype])
+        a = to_host(var.get_value())
+        tensors[name] = np.ascontiguousarray(a.T if transpose else a).astype(NP_DTYPE[dtype])
     if jax.process_index() != 0:
         return out_dir
     os.makedirs(out_dir, exist_ok=True)
