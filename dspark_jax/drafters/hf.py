@@ -41,6 +41,7 @@ from safetensors.numpy import save_file
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.api import graphdef, init_params
 from dspark_jax.drafters.common import DrafterParams
+from dspark_jax.drafters.compat import TargetId, check_fits
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.io import atomic_path, write_text_atomic
 from dspark_jax.models.hf import (
@@ -125,7 +126,10 @@ def drafter_config_from_hf(
             for a in hf.get("architectures") or []
         ]
         target = config_from_hf(t, dtype=dtype, target_layer_ids=layer_ids)
-    _check_target(hf, target, layer_ids)
+    try:
+        check_fits(target, trained_for=_hf_target_id(hf, layer_ids))
+    except ConfigError as e:
+        raise CheckpointError(f"drafter config.json: {e}") from e
     fields: dict[str, Any] = dict(num_layers=int(hf["num_hidden_layers"]), dtype=dtype)
     if kind == "eagle3":
         fields.update(
@@ -152,35 +156,22 @@ def drafter_config_from_hf(
         raise CheckpointError(f"drafter config.json: {e}") from e
 
 
-def _check_target(hf: Mapping[str, Any], target: TargetConfig, layer_ids) -> None:
-    """The drafter must copy its target's shapes and read its feature layers."""
-    pairs = {
-        "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size,
-        "num_attention_heads": target.num_heads,
-        "num_key_value_heads": target.num_kv_heads,
-        "intermediate_size": target.intermediate_size,
-    }
-    if "head_dim" in hf:
-        pairs["head_dim"] = target.head_dim
-    bad = {k: (hf[k], v) for k, v in pairs.items() if k in hf and int(hf[k]) != v}
-    if bad:
-        detail = ", ".join(f"{k}: drafter {a} vs target {b}" for k, (a, b) in bad.items())
-        raise CheckpointError(
-            f"drafter is incompatible with the target ({detail}); load the drafter trained for "
-            "this target"
-        )
-    if tuple(layer_ids) != tuple(target.target_layer_ids):
-        raise CheckpointError(
-            f"drafter reads target layers {tuple(layer_ids)} but the target config captures "
-            f"{tuple(target.target_layer_ids)}: build the target with "
-            f"target_layer_ids={tuple(layer_ids)}"
-        )
-    if "num_target_layers" in hf and int(hf["num_target_layers"]) != target.num_layers:
-        raise CheckpointError(
-            f"drafter was trained for a {hf['num_target_layers']}-layer target, the target has "
-            f"{target.num_layers} layers"
-        )
+def _hf_target_id(hf: Mapping[str, Any], layer_ids) -> TargetId:
+    """The target a drafter's config.json says it was trained for (its shapes are the target's)."""
+
+    def num(key):
+        return int(hf[key]) if key in hf else None
+
+    return TargetId(
+        target_layer_ids=tuple(layer_ids),
+        num_layers=num("num_target_layers"),
+        hidden_size=num("hidden_size"),
+        vocab_size=num("vocab_size"),
+        num_heads=num("num_attention_heads"),
+        num_kv_heads=num("num_key_value_heads"),
+        head_dim=num("head_dim"),
+        intermediate_size=num("intermediate_size"),
+    )
 
 
 def hf_drafter_config_dict(cfg: DrafterConfig, dtype: str | None = None) -> dict[str, Any]:
