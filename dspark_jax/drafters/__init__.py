@@ -12,7 +12,8 @@ Parameters (`DrafterParams`, a NamedTuple of two `nnx.State`s):
 
 Training (pure): `dspark_jax.train.losses.loss_fn(cfg, trainable, frozen, batch, rng)` is the
 one entry point (anchor sampling, labels, target logits, loss, metrics). Its pieces:
-  * DSpark/DFlash: `BlockDrafter.context_kv(features, positions)` once per sequence, then
+  * DSpark/DFlash (`dspark.py`): `BlockDrafter.context_kv(features, positions)` once per
+    sequence (per layer K/V [B, n_kv, T, d_h], heads-first like every cache), then
     `BlockDrafter.blocks(ctx_kv, anchors, keep, block_ids, positions)` -> z [B, N_a, γ, H] for
     N_a anchor blocks at once (anchor-bounded packing, REFERENCE §2.5), then
     `dspark.teacher_forced(model, z, prev_ids)` -> corrected logits and confidence logits.
