@@ -273,6 +273,8 @@ def _parse(value: str, typ, key: str):
     if origin is tuple:
         if isinstance(lit, str):
             lit = tuple(s for s in lit.split(",") if s)
+        elif isinstance(lit, (int, float)):  # one element: seq_buckets=256
+            lit = (lit,)
         if isinstance(lit, (list, tuple)):
             return tuple(lit)
     raise ConfigError(f"--set {key}={value!r}: cannot parse as {typ}")

@@ -102,6 +102,8 @@ def test_unknown_override_keys_are_errors():
     assert got.drafters.train.total_steps == 7 and got.drafters.kinds == ("dspark", "dflash")
     got = apply_overrides(cfg, ["drafters.train.learning_rate=1e-3", "target.train.seed=3"])
     assert got.drafters.train.learning_rate == 1e-3 and got.target.train.seed == 3
+    got = apply_overrides(cfg, ["drafters.train.seq_buckets=64", "target.train.seq_buckets=64,128"])
+    assert got.drafters.train.seq_buckets == (64,) and got.target.train.seq_buckets == (64, 128)
 
 
 @pytest.mark.parametrize(
