@@ -65,10 +65,19 @@ def _take_slot(tree, slot):
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, 0), tree)
 
 
+def _take_slot_prefix(tree, slot, length: int):
+    """Cache arrays [N, K, S, d] -> [1, K, length, d] of one slot (its first `length` positions)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, 0)[:, :, :length], tree)
+
+
 def _put_slot(tree, one, slot):
-    return jax.tree.map(
-        lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), slot, 0), tree, one
-    )
+    """Write `one` ([1, ...], possibly shorter along later axes) at the start of slot `slot`."""
+
+    def put(a, b):
+        idx = (slot,) + (0,) * (a.ndim - 1)
+        return jax.lax.dynamic_update_slice(a, b.astype(a.dtype), idx)
+
+    return jax.tree.map(put, tree, one)
 
 
 def _conf_or_zeros(prop, b, g):
@@ -81,6 +90,7 @@ def prefill_chunk(
     tcfg,
     dcfg,
     scfg,
+    cache_len,
     tparams,
     dparams,
     state: SlotState,
@@ -94,7 +104,9 @@ def prefill_chunk(
     sp1,
     key,
 ):
-    """Write prompt tokens [start, start + n_valid) of one slot. Static: configs, scfg, C.
+    """Write prompt tokens [start, start + n_valid) of one slot. Static: configs, scfg, C,
+    cache_len (a cache-length bucket >= start + n_valid: the chunk's attention reads, and the
+    slot's K/V it copies and writes back, stop there instead of at max_len).
 
     Arrays: slot, start, n_valid (>= 1), is_last (bool), seed (uint32), tokens_C (right-padded),
     next_C (the committed token following each position, known for all but the prompt's last),
@@ -104,8 +116,11 @@ def prefill_chunk(
     """
     g = dcfg.block_size
     c = tokens_C.shape[0]
+    s_b = min(int(cache_len), state.cache.max_len)
     cache1 = tf.KVCache(
-        _take_slot(state.cache.k, slot), _take_slot(state.cache.v, slot), start[None]
+        _take_slot_prefix(state.cache.k, slot, s_b),
+        _take_slot_prefix(state.cache.v, slot, s_b),
+        start[None],
     )
     positions = (start + jnp.arange(c, dtype=jnp.int32))[None]
     out, cache1 = tf.forward(tcfg, tparams, tokens_C[None], positions, cache1, compute_logits=False)
@@ -123,7 +138,7 @@ def prefill_chunk(
     prop = drafters.propose(dcfg, dparams, ctx1, first, key, seed1, sp1, scfg, rounds_B=rounds1)
     conf = _conf_or_zeros(prop, 1, g)
     cache = state.cache._replace(
-        k=_put_slot(state.cache.k, cache1.k, slot),
+        k=_put_slot(state.cache.k, cache1.k, slot),  # writes [slot, :, :s_b] back
         v=_put_slot(state.cache.v, cache1.v, slot),
         lengths=jax.lax.dynamic_update_slice_in_dim(state.cache.lengths, pos1, slot, 0),
     )
@@ -171,9 +186,15 @@ def packed_round(
     >= sum over active of lengths + 1), cache_len (bucket >= every active anchor position +
     lengths + 1). Arrays: params, state (donated), lengths [N] (0..γ), active [N], seeds [N],
     sp (SamplingParams [N]; None in greedy mode), key."""
-    g = dcfg.block_size
-    n = lengths_N.shape[0]
     lengths_N = jnp.where(active_N, lengths_N, 0).astype(jnp.int32)
+    fwd = verify_forward(tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N)
+    return finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, sp, key)
+
+
+def verify_forward(tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N):
+    """The target's packed verify forward (bucket T = num_tokens, attention over cache_len):
+    (logits [N, γ+1, V], features [N, γ+1, F], cache with the tokens' K/V written)."""
+    g = dcfg.block_size
     pos0 = state.cache.lengths  # [N]
     slot, off, valid, starts = pack_indices(lengths_N, active_N, num_tokens)
     drafts = state.prop_tokens[slot, jnp.clip(off - 1, 0, g - 1)]
@@ -183,8 +204,16 @@ def packed_round(
         tcfg, tparams, toks, slot, pos, valid, state.cache, cache_len, compute_logits=True
     )
     idx = jnp.clip(starts[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
-    logits = out.logits[0][idx]  # [N, γ+1, V]
-    feats = out.features[0][idx]  # [N, γ+1, F]
+    return out.logits[0][idx], out.features[0][idx], cache
+
+
+def finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, sp, key):
+    """Verify, commit (cache length, drafter context, anchor, round counter) and draft the next
+    block, from `verify_forward`'s outputs. Returns (state, RoundOut)."""
+    g = dcfg.block_size
+    n = lengths_N.shape[0]
+    logits, feats, cache = fwd
+    pos0 = state.cache.lengths
     rng = rng_lib.RequestRng(key, seeds_N, pos0)
     probs = None if scfg.greedy else state.prop_probs
     a, nxt = verify_core(logits, state.prop_tokens, probs, lengths_N, rng, sp, scfg)

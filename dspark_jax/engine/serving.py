@@ -13,6 +13,12 @@ on the device (`engine.device.packed_round`, the target's cost follows R + sum l
 token bucket) and commit on the host (stop ids, max_new_tokens, per-round records). The host reads
 the device once per round (tokens, accepted counts and the next block's confidences together).
 
+With `rounds_per_call=K > 1` and a policy the device can compute (fixed γ, MTP-1, static
+threshold), one step runs up to K rounds inside one jitted call (`engine.rounds`): lengths, buckets,
+stop ids and max_new_tokens are handled on the device, the host reads the K rounds' outputs once;
+the call ends early after a round in which a request finishes. Output is bit-identical to K = 1;
+streaming, admission and cancellation then happen every K rounds.
+
 Exactness: every draw is keyed by (stream, request seed, position) (`spec.rng`), draft noise also
 by the request's round counter, so a request's output does not depend on its slot, its admission
 time or the other requests. Greedy output equals `models.generate.generate` token for token.
@@ -29,6 +35,7 @@ import numpy as np
 
 from dspark_jax.drafters.compat import check_fits
 from dspark_jax.engine import device as dev
+from dspark_jax.engine import rounds as rounds_lib
 from dspark_jax.engine.compiles import CompileTally
 from dspark_jax.engine.requests import (
     Delta,
@@ -105,6 +112,7 @@ class ServingEngine:
         root_seed: int = 0,
         modes=MODES,
         mesh=None,
+        rounds_per_call: int = 1,
     ):
         check_fits(tcfg, dcfg)
         if num_slots < 1 or max_len < 2:
@@ -114,6 +122,8 @@ class ServingEngine:
                 f"max_len {max_len} exceeds the target's max_position_embeddings "
                 f"{tcfg.max_position_embeddings}"
             )
+        if not (isinstance(rounds_per_call, int) and rounds_per_call >= 1):
+            raise ConfigError(f"rounds_per_call must be an integer >= 1, got {rounds_per_call!r}")
         if not set(modes) <= set(MODES) or not modes:
             raise ConfigError(f"modes must be a non-empty subset of {MODES}: {modes}")
         self.tcfg, self.dcfg, self.tparams, self.dparams = tcfg, dcfg, tparams, dparams
@@ -137,8 +147,13 @@ class ServingEngine:
             has_confidence=dcfg.kind == "dspark" and bool(getattr(dcfg, "confidence_head", True)),
         )
         self.key = jax.random.key(root_seed)
-        self._prefill = jax.jit(dev.prefill_chunk, static_argnums=(0, 1, 2), donate_argnums=(5,))
+        self._prefill = jax.jit(dev.prefill_chunk, static_argnums=(0, 1, 2, 3), donate_argnums=(6,))
         self._round = jax.jit(dev.packed_round, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
+        # device-resident rounds (engine.rounds): up to rounds_per_call rounds per jitted call
+        self.rounds_per_call = rounds_per_call
+        self._rounds = jax.jit(rounds_lib.packed_rounds, static_argnums=tuple(range(6)),
+                               donate_argnums=(8,))  # fmt: skip
+        self._cuts: tuple | None = None  # (key, threshold cuts) for the device threshold policy
         self._tally = CompileTally()  # compilations caused by this engine's device calls
         # committed to the device like every later state (a jit output), so the first call
         # does not compile a variant for uncommitted inputs that no later call uses
@@ -211,10 +226,10 @@ class ServingEngine:
             for mode in self.modes:
                 scfg = self._scfg(mode)
                 sp1 = self._sp_rows([RequestParams(1)], mode)
-                for c in self.prompt_buckets:
+                for c, s in self._prefill_shapes():
                     z = np.zeros(c, np.int32)
                     self.state, *_ = self._prefill(
-                        self.tcfg, self.dcfg, scfg, self.tparams, self.dparams, self.state,
+                        self.tcfg, self.dcfg, scfg, s, self.tparams, self.dparams, self.state,
                         np.int32(0), z, z, np.int32(0), np.int32(1), np.bool_(True),
                         np.uint32(0), sp1, self.key,
                     )  # fmt: skip
@@ -226,7 +241,19 @@ class ServingEngine:
                             self.state, np.zeros(n, np.int32), np.zeros(n, bool),
                             np.zeros(n, np.uint32), sp, self.key,
                         )  # fmt: skip
+                if self.rounds_per_call > 1:  # nothing active: compiles, runs no round
+                    self.state, _ = self._call_rounds(mode, sp, np.zeros(n, bool), [], 0)
             jax.block_until_ready(self.state)
+
+    def _prefill_cache_len(self, end: int) -> int:
+        """The cache bucket a prefill chunk ending (padded) at `end` attends over."""
+        return next((b for b in self.cache_buckets if b >= end), self.max_len)
+
+    def _prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (chunk bucket, cache bucket) a prefill can use: a chunk of bucket c starting at
+        0 reads the bucket >= c; later chunks (long prompts) start further in."""
+        lo = {c: self._prefill_cache_len(c) for c in self.prompt_buckets}
+        return [(c, s) for c in self.prompt_buckets for s in self.cache_buckets if s >= lo[c]]
 
     # ---- submission --------------------------------------------------------------------------
 
@@ -330,8 +357,9 @@ class ServingEngine:
                 follow = p[start + 1 : start + n + 1]
                 nxt[: len(follow)] = follow
                 last = start + n == len(p)
+                s = self._prefill_cache_len(start + c)
                 self.state, first, conf = self._prefill(
-                    self.tcfg, self.dcfg, scfg, self.tparams, self.dparams, self.state,
+                    self.tcfg, self.dcfg, scfg, s, self.tparams, self.dparams, self.state,
                     np.int32(req.slot), toks, nxt, np.int32(start), np.int32(n), np.bool_(last),
                     np.uint32(req.seed), sp1, self.key,
                 )  # fmt: skip
@@ -347,12 +375,8 @@ class ServingEngine:
         return deltas
 
     def _run_round(self, running: list[Request]) -> list[Delta]:
-        g, n = self.gamma, self.num_slots
+        n = self.num_slots
         slots = np.asarray([r.slot for r in running])
-        caps = np.asarray([r.params.max_new_tokens - len(r.tokens) - 1 for r in running])
-        lens_r = self.scheduler.lengths(self.slots.conf[slots], caps)
-        lengths = np.zeros(n, np.int32)
-        lengths[slots] = lens_r
         active = np.zeros(n, bool)
         active[slots] = True
         mode = self._mode([r.params for r in running])
@@ -361,29 +385,94 @@ class ServingEngine:
         for r in running:
             params[r.slot] = r.params
             seeds[r.slot] = r.seed
+        sp = self._sp_rows(params, mode)
+        if self._device_policy() is not None and all(
+            len(r.stop_set) <= rounds_lib.MAX_STOP_IDS for r in running
+        ):
+            self.state, out = self._call_rounds(
+                mode, sp, active, running, self.rounds_per_call, seeds
+            )
+            emitted, acc, lens, conf, count = jax.device_get(out)
+            k = int(count)
+            return self._commit_rounds(running, lens[:k], emitted[:k], acc[:k], conf[:k])
+        caps = np.asarray([r.params.max_new_tokens - len(r.tokens) - 1 for r in running])
+        lens_r = self.scheduler.lengths(self.slots.conf[slots], caps)
+        lengths = np.zeros(n, np.int32)
+        lengths[slots] = lens_r
         total = int(np.sum(lens_r + 1))
         t = next(b for b in self.token_buckets if b >= total)
         need = max(r.pos + 1 + int(lengths[r.slot]) for r in running)
         s = next(b for b in self.cache_buckets if b >= need)
         self.state, out = self._round(
             self.tcfg, self.dcfg, self._scfg(mode), t, s, self.tparams, self.dparams,
-            self.state, lengths, active, seeds, self._sp_rows(params, mode), self.key,
+            self.state, lengths, active, seeds, sp, self.key,
         )  # fmt: skip
         self.scheduler.prepare_next(len(running))  # overlaps the device's round
         emitted, acc, conf = jax.device_get(out)
+        return self._commit_rounds(running, lengths[None], emitted[None], acc[None], conf[None])
+
+    # ---- device-resident rounds (engine.rounds) ------------------------------------------------
+
+    def _device_policy(self):
+        """(gamma_p, use_threshold, cuts) when rounds run on the device, else None: the engine
+        was built with rounds_per_call > 1 and the policy is fixed γ / MTP-1 / static threshold
+        (Algorithm 1 and async top-K schedule on the host, one round per call)."""
+        from dspark_jax.sched.policies import FixedGamma, StaticThreshold
+
+        pol = self.scheduler.policy
+        g = self.gamma
+        if self.rounds_per_call <= 1:
+            return None
+        if isinstance(pol, FixedGamma):
+            return np.int32(pol.gamma), np.bool_(False), np.zeros(g, np.float32)
+        if isinstance(pol, StaticThreshold):
+            key = (self.scheduler.sts, float(pol.theta))
+            if self._cuts is None or self._cuts[0] != key:
+                self._cuts = (key, rounds_lib.threshold_cuts(key[0], g, key[1]))
+            return np.int32(0), np.bool_(True), self._cuts[1]
+        return None
+
+    def _call_rounds(self, mode, sp, active, running, n_rounds, seeds=None):
+        n = self.num_slots
+        room = np.zeros(n, np.int32)
+        stop = np.full((n, rounds_lib.MAX_STOP_IDS), -1, np.int32)
+        for r in running:
+            room[r.slot] = r.params.max_new_tokens - len(r.tokens)
+            ids = sorted(r.stop_set)
+            stop[r.slot, : len(ids)] = ids
+        gamma_p, use_thr, cuts = self._device_policy() or (
+            np.int32(self.gamma),
+            np.bool_(False),
+            np.zeros(self.gamma, np.float32),
+        )
+        seeds = np.zeros(n, np.uint32) if seeds is None else seeds
+        return self._rounds(
+            self.tcfg, self.dcfg, self._scfg(mode), self.token_buckets, self.cache_buckets,
+            self.rounds_per_call, self.tparams, self.dparams, self.state, active, seeds, sp,
+            self.key, room, stop, gamma_p, use_thr, cuts, np.int32(n_rounds),
+        )  # fmt: skip
+
+    def _commit_rounds(self, running, lens, emitted, acc, conf) -> list[Delta]:
+        """Host bookkeeping of k rounds' outputs ([k, N, ...], read in one device_get)."""
+        g = self.gamma
         deltas = []
         with self._lock:
-            self._m["rounds"] += 1
-            self._m["draft_tokens"] += g * len(running)
-            self._m["verified_tokens"] += int(lens_r.sum())
-            self._verified_hist[int(lens_r.sum())] += 1
-            for r, nl in zip(running, lens_r):
-                a = int(acc[r.slot])
-                raw_conf = self.slots.conf[r.slot].copy()
-                self.slots.conf[r.slot] = conf[r.slot]
-                new = [int(x) for x in emitted[r.slot, : a + 1]]
-                r.pos += a + 1
-                deltas.append(self._commit_round(r, new, a, int(nl), raw_conf))
+            for k in range(lens.shape[0]):
+                total = int(sum(int(lens[k, r.slot]) for r in running))
+                self._m["rounds"] += 1
+                self._m["draft_tokens"] += g * len(running)
+                self._m["verified_tokens"] += total
+                self._verified_hist[total] += 1
+                for r in running:
+                    if r.done:  # finished in an earlier round of this call (cannot happen:
+                        continue  # the device loop ends after the round a request finishes)
+                    a = int(acc[k, r.slot])
+                    raw_conf = self.slots.conf[r.slot].copy()
+                    self.slots.conf[r.slot] = conf[k, r.slot]
+                    new = [int(x) for x in emitted[k, r.slot, : a + 1]]
+                    r.pos += a + 1
+                    nl = int(lens[k, r.slot])
+                    deltas.append(self._commit_round(r, new, a, nl, raw_conf))
         return deltas
 
     def _commit_round(self, r: Request, new, a: int, nl: int, raw_conf) -> Delta:

@@ -85,9 +85,10 @@ def place_params(params, mesh: Mesh):
 
 
 def shard_engine(engine, mesh: Mesh) -> None:
-    """Place a freshly built `ServingEngine`'s params and slot state on `mesh` and rebuild its two
+    """Place a freshly built `ServingEngine`'s params and slot state on `mesh` and rebuild its
     jitted device functions so that the state keeps its layout (called from its __init__)."""
     from dspark_jax.engine import device as dev
+    from dspark_jax.engine import rounds as rounds_lib
 
     engine.mesh = mesh
     engine.tparams = place_params(engine.tparams, mesh)
@@ -101,13 +102,19 @@ def shard_engine(engine, mesh: Mesh) -> None:
     # e.g. P() vs P(None), which is a new jit cache entry)
     engine._prefill = jax.jit(
         dev.prefill_chunk,
-        static_argnums=(0, 1, 2),
-        donate_argnums=(5,),
+        static_argnums=(0, 1, 2, 3),
+        donate_argnums=(6,),
         out_shardings=(sh, repl, repl),
     )
     engine._round = jax.jit(
         dev.packed_round,
         static_argnums=(0, 1, 2, 3, 4),
         donate_argnums=(7,),
+        out_shardings=(sh, repl),
+    )
+    engine._rounds = jax.jit(
+        rounds_lib.packed_rounds,
+        static_argnums=tuple(range(6)),
+        donate_argnums=(8,),
         out_shardings=(sh, repl),
     )

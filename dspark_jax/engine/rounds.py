@@ -1,0 +1,177 @@
+"""Device-resident rounds: up to K speculative rounds in one jitted call (`lax.while_loop`).
+
+    state, out = packed_rounds(tcfg, dcfg, scfg, token_buckets, cache_buckets, K, ...)
+
+Every round is exactly the engine's packed round (`device.verify_forward` + `device.finish_round`):
+the verification lengths are computed on the device by the same rule the host scheduler applies
+(fixed γ / MTP-1: `min(γ_p, cap)`; static threshold: leading drafts whose raw confidence logit
+is >= a per-position cut that `threshold_cuts` finds so that the comparison equals the host's
+float64 `STS.probs(rho) >= θ` for every float32 `rho`), and each round's token bucket T and
+cache bucket S are chosen on the device as the host would choose them, by `lax.switch` over the
+compiled (T, S) verify forwards. So a request's tokens do not depend on K: the K-round call runs
+the same arithmetic, with the same keys (seed, position, round counter), as K one-round calls.
+
+Stop ids and max_new_tokens are honoured on the device: a round in which any row finishes (a stop
+id among its committed tokens, or its token budget reached) is the call's last one, so the host
+can retire the request, admit a waiting one and re-plan the batch (sampling mode, buckets). The
+host reads all rounds' outputs once per call and replays its per-round bookkeeping on them.
+Algorithm 1 and the async top-K policy stay on the host (one round per call).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.engine import device as dev
+
+MAX_STOP_IDS = 8  # stop ids per request the device checks; more -> one round per call
+
+
+class RoundsOut(NamedTuple):
+    emitted: jax.Array  # [K, N, γ+1] committed tokens per round (-1 past A+1 / inactive)
+    num_accepted: jax.Array  # [K, N]
+    lengths: jax.Array  # [K, N] verified drafts per round
+    next_conf: jax.Array  # [K, N, γ] raw confidence logits of the block pending after round k
+    count: jax.Array  # [] rounds run (1..K; the rest of the arrays is padding)
+
+
+def _forward_branch(tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N):
+    return dev.verify_forward(
+        tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N
+    )
+
+
+def device_lengths(state, active_N, room_N, gamma_p, use_threshold, cuts_G):
+    """This round's lengths [N]: fixed `min(γ_p, room - 1)`, or (use_threshold) the number of
+    leading drafts j < room - 1 with raw confidence >= cuts[j]."""
+    g = state.prop_conf.shape[1]
+    cap = room_N - 1
+    fixed = jnp.minimum(gamma_p, cap)
+    j = jnp.arange(g, dtype=jnp.int32)[None, :]
+    keep = (state.prop_conf >= cuts_G[None, :]) & (j < cap[:, None])
+    thr = jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=1), axis=1)
+    out = jnp.where(use_threshold, thr, fixed)
+    return jnp.where(active_N, out, 0).astype(jnp.int32)
+
+
+def packed_rounds(
+    tcfg,
+    dcfg,
+    scfg,
+    token_buckets: tuple[int, ...],
+    cache_buckets: tuple[int, ...],
+    max_rounds: int,
+    tparams,
+    dparams,
+    state: dev.SlotState,
+    active_N,
+    seeds_N,
+    sp,
+    key,
+    room_N,
+    stop_NxM,
+    gamma_p,
+    use_threshold,
+    cuts_G,
+    n_rounds,
+):
+    """Up to min(n_rounds, max_rounds) rounds over the active slots (the same set in every round;
+    the loop ends after a round in which any row finishes). Static: configs, scfg, the bucket
+    tuples, max_rounds (K, the output size). Arrays: params, state (donated), active [N],
+    seeds [N], sp, key, room [N] (tokens each request may still emit, >= 1 when active),
+    stop [N, M] (-1 padded), gamma_p (fixed γ), use_threshold (bool), cuts [γ] (float32),
+    n_rounds (int32, dynamic: 1..K)."""
+    g = dcfg.block_size
+    n = active_N.shape[0]
+    tb = jnp.asarray(token_buckets, jnp.int32)
+    cb = jnp.asarray(cache_buckets, jnp.int32)
+    branches = [
+        functools.partial(_forward_branch, tcfg, dcfg, t, s)
+        for t in token_buckets
+        for s in cache_buckets
+    ]
+    i = jnp.arange(g + 1)[None, :]
+
+    def body(carry):
+        k, state, room, outs, _ = carry
+        lengths = device_lengths(state, active_N, room, gamma_p, use_threshold, cuts_G)
+        total = jnp.sum(jnp.where(active_N, lengths + 1, 0))
+        need = jnp.max(jnp.where(active_N, state.cache.lengths + 1 + lengths, 0))
+        it = jnp.minimum(jnp.searchsorted(tb, total, side="left"), len(token_buckets) - 1)
+        ic = jnp.minimum(jnp.searchsorted(cb, need, side="left"), len(cache_buckets) - 1)
+        index = it * len(cache_buckets) + ic
+        fwd = jax.lax.switch(index, branches, tparams, state, lengths, active_N)
+        state, ro = dev.finish_round(
+            dcfg, scfg, dparams, state, fwd, lengths, active_N, seeds_N, sp, key
+        )
+        a = ro.num_accepted
+        hit = (ro.emitted[:, :, None] == stop_NxM[:, None, :]) & (stop_NxM[:, None, :] >= 0)
+        hit = jnp.any(hit & (i <= a[:, None])[:, :, None], axis=(1, 2))
+        done = active_N & (hit | (a + 1 >= room))
+        room = room - (a + 1)
+        outs = RoundsOut(
+            outs.emitted.at[k].set(ro.emitted),
+            outs.num_accepted.at[k].set(a),
+            outs.lengths.at[k].set(lengths),
+            outs.next_conf.at[k].set(ro.next_conf),
+            k + 1,
+        )
+        go = (k + 1 < jnp.minimum(n_rounds, max_rounds)) & ~jnp.any(done)
+        return k + 1, state, room, outs, go
+
+    outs = RoundsOut(
+        jnp.full((max_rounds, n, g + 1), -1, jnp.int32),
+        jnp.zeros((max_rounds, n), jnp.int32),
+        jnp.zeros((max_rounds, n), jnp.int32),
+        jnp.zeros((max_rounds, n, g), jnp.float32),
+        jnp.int32(0),
+    )
+    room = jnp.asarray(room_N, jnp.int32)
+    carry = (jnp.int32(0), state, room, outs, jnp.any(active_N) & (n_rounds > 0))
+    _, state, _, outs, _ = jax.lax.while_loop(lambda c: c[4], body, carry)
+    return state, outs
+
+
+# ---- host side -------------------------------------------------------------------------------
+
+
+def _ordered(x: np.ndarray) -> np.ndarray:
+    """float32 -> int64 keys in the floats' order (so bisection walks adjacent floats)."""
+    b = x.astype(np.float32).view(np.int32).astype(np.int64)
+    return np.where(b < 0, -(b & 0x7FFFFFFF), b)
+
+
+def _from_ordered(k: int) -> np.float32:
+    b = k if k >= 0 else (-k) | -0x80000000
+    return np.array([b], np.int64).astype(np.int32).view(np.float32)[0]
+
+
+def threshold_cuts(sts, gamma: int, theta: float) -> np.ndarray:
+    """Per-position cut c_j [γ] float32: for every float32 rho, rho >= c_j exactly when the host
+    policy admits it (`sts.probs` of rho at position j >= theta, computed in float64).
+    NaN when no float32 qualifies (never admitted)."""
+    cuts = np.empty(gamma, np.float32)
+    for j in range(gamma):
+
+        def ok(k, j=j):
+            rho = np.zeros(gamma, np.float32)
+            rho[j] = _from_ordered(k)
+            return bool(sts.probs(rho[None])[0, j] >= theta)
+
+        lo, hi = int(_ordered(np.float32(-np.inf))), int(_ordered(np.float32(np.inf)))
+        if ok(lo):
+            cuts[j] = -np.inf
+            continue
+        if not ok(hi):
+            cuts[j] = np.nan
+            continue
+        while hi - lo > 1:  # invariant: not ok(lo), ok(hi) (the host map is monotone in rho)
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+        cuts[j] = _from_ordered(hi)
+    return cuts
