@@ -8,8 +8,8 @@ repetition in a shuffled order (interleaved), medians reported. For each candida
 * `verify_ms[T]`: one blocked target forward of T tokens against a filled KV cache (T = γ+1 is
   the verify forward; `--verify-sweep` adds T = 1..16);
 * per drafter (DSpark with 1/2/3 backbone layers, Eagle3): `propose_ms` (γ drafts, sampled) and
-  `round_ms` (a whole fused propose + verify + commit round through the host loop of
-  `SpeculativeDecoder`, blocked on the round's output);
+  `round_ms` (one `ServingEngine.step()` of a 1-slot engine at fixed γ: scheduler, packed
+  round, read-back, host commit; `eval.speed.round_breakdown`);
 * derived: `draft_share_of_verify` = propose / verify(γ+1), `round_in_steps` = round / step,
   and `ideal_speedup` = τ · step / round at the plausible τ given by `--tau`.
 
@@ -23,25 +23,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import statistics
 import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from dspark_jax import drafters  # noqa: E402
 from dspark_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids  # noqa: E402
-from dspark_jax.engine.speculative import SpeculativeDecoder  # noqa: E402
+from dspark_jax.eval import speed  # noqa: E402
 from dspark_jax.models import init_params  # noqa: E402
-from dspark_jax.models.generate import generate  # noqa: E402
-from dspark_jax.models.transformer import forward, init_cache  # noqa: E402
-from dspark_jax.spec.sampling import SamplingConfig, validate_sampling_params  # noqa: E402
 
 VOCAB = 2048
 # (layers, hidden, intermediate, heads, kv heads): comparable parameter budgets in the layers
@@ -83,99 +77,34 @@ def measure_target(name: str, args) -> dict:
     tp = init_params(tcfg, 0)
     g, plen = args.gamma, args.prompt_len
     prompt = [int(x) for x in jax.random.randint(jax.random.key(1), (plen,), 4, VOCAB - 1)]
-    sp = validate_sampling_params(1.0, 0, 1.0, 0.0, batch_size=1)
-    scfg = SamplingConfig.for_params(sp)
-    seeds = jnp.zeros((1,), jnp.uint32)
-    timers: dict[str, object] = {}
-
-    def gen(n):
-        return lambda: generate(
-            tcfg, tp, [prompt], max_new_tokens=n, sampling={"temperature": 1.0}, seeds=[0],
-            batch_buckets=(1,), length_buckets=(plen, 2 * plen),
-        )  # fmt: skip
-
-    long_n, short_n = 72, 8
-    timers["gen_long"], timers["gen_short"] = gen(long_n), gen(short_n)
-
-    # the target forward of T tokens against a cache filled with the prompt
-    max_len = plen + 32
-    cache = init_cache(tcfg, 1, max_len)
-    pos0 = jnp.arange(plen, dtype=jnp.int32)[None]
-    _, cache = jax.jit(forward, static_argnums=0)(tcfg, tp, jnp.asarray([prompt]), pos0, cache)
-    fwd = jax.jit(forward, static_argnums=0)
-    ts = sorted({1, 2, 4, 8, 12, 16, g + 1} if args.verify_sweep else {1, g + 1})
-    for t in ts:
-        toks = jnp.asarray([prompt[:t]])
-        pos = plen + jnp.arange(t, dtype=jnp.int32)[None]
-        timers[f"verify_T{t}"] = lambda toks=toks, pos=pos: jax.block_until_ready(
-            fwd(tcfg, tp, toks, pos, cache)
-        )
-
-    rounds_cap = (args.reps + 2) * 4 * (g + 1)
     kinds = [("dspark", n) for n in args.dspark_layers] + [("eagle3", 1)]
-    decs = {}
+    ds = {}
     for kind, layers in kinds:
         dcfg = drafter_config(kind, tcfg, layers, g)
-        dp = drafters.init_params(dcfg, target_params=tp)
-        dec = SpeculativeDecoder(
-            tcfg, dcfg, tp, dp, max_len=plen + rounds_cap + g + 2, length_buckets=(plen,)
-        )
         label = f"{kind}{layers}L" if kind != "eagle3" else "eagle3"
-        toks = jnp.asarray([prompt])
-        lens = jnp.asarray([plen], jnp.int32)
-
-        def fresh(dec=dec, dcfg=dcfg, dp=dp, toks=toks, lens=lens):
-            return dec._prefill(
-                tcfg, dcfg, scfg, dec.max_len, tp, dp, toks, lens, dec.key, seeds, sp
-            )
-
-        state0 = fresh()
-        decs[label] = {"state": fresh(), "n": 0}
-
-        def propose(dec=dec, dcfg=dcfg, dp=dp, state0=state0):
-            jax.block_until_ready(dec._propose(dcfg, scfg, dp, state0, dec.key, seeds, sp).tokens)
-
-        def round_(dec=dec, dcfg=dcfg, dp=dp, label=label, fresh=fresh):
-            rec = decs[label]
-            if rec["n"] >= 3 * (args.reps + 2):  # keep the cache inside max_len
-                rec["state"], rec["n"] = fresh(), 0
-            full = jnp.full((1,), g, jnp.int32)
-            st, out = dec._fused(tcfg, dcfg, scfg, tp, dp, rec["state"], full, dec.key, seeds, sp)
-            out.emitted.block_until_ready()
-            _ = [int(x) for x in jax.device_get(out.num_accepted)]  # the host loop's read-back
-            rec["state"], rec["n"] = st, rec["n"] + 1
-
-        timers[f"propose_{label}"] = propose
-        timers[f"round_{label}"] = round_
-
-    for fn in timers.values():  # compile + warm every program before timing
-        fn()
-        fn()
-    samples: dict[str, list[float]] = {k: [] for k in timers}
-    order = list(timers)
-    rng = random.Random(0)
-    for _ in range(args.reps):
-        rng.shuffle(order)
-        for k in order:
-            samples[k].append(_time(timers[k]))
-    med = {k: statistics.median(v) for k, v in samples.items()}
-    step = (med["gen_long"] - med["gen_short"]) / (long_n - short_n)
-    verify = med[f"verify_T{g + 1}"]
+        ds[label] = (dcfg, drafters.init_params(dcfg, target_params=tp))
+    ts = (1, 2, 4, 8, 12, 16) if args.verify_sweep else (1,)
+    # the serving engine's own programs, interleaved, medians (eval/speed.py)
+    bd = speed.round_breakdown(tcfg, tp, ds, prompt, temperature=1.0, reps=args.reps,
+                               verify_tokens=ts)  # fmt: skip
+    step = bd["step_ms"]
+    verify = bd["verify_forward_ms"][g + 1]
     out = {
         "target": {"layers": tcfg.num_layers, "hidden": tcfg.hidden_size,
                    "intermediate": tcfg.intermediate_size, "feature_layers": tcfg.target_layer_ids,
                    "params": int(sum(x.size for x in jax.tree.leaves(tp)))},
         "step_ms": step,
-        "verify_ms": {t: med[f"verify_T{t}"] for t in ts},
-        "verify_in_steps": {t: med[f"verify_T{t}"] / step for t in ts},
+        "verify_ms": bd["verify_forward_ms"],
+        "verify_in_steps": bd["verify_forward_in_steps"],
+        "compilations_during_timing": bd["compilations_during_timing"],
         "drafters": {},
     }  # fmt: skip
-    for kind, layers in kinds:
-        label = f"{kind}{layers}L" if kind != "eagle3" else "eagle3"
-        p, r = med[f"propose_{label}"], med[f"round_{label}"]
+    for label, row in bd["drafters"].items():
+        p, r = row["propose_ms"], row["round_ms"]
         out["drafters"][label] = {
             "propose_ms": p,
             "round_ms": r,
+            "host_ms": row["host_ms"],
             "draft_share_of_verify": p / verify,
             "draft_share_of_round": p / r,
             "round_in_steps": r / step,

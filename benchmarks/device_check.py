@@ -35,8 +35,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PARITY_FULL = ["tests/test_hf_parity.py", "tests/test_speculative.py", "tests/test_lossless.py"]
-PARITY_REDUCED = ["tests/test_speculative.py::test_greedy_equals_greedy_decoding"]
+PARITY_FULL = [
+    "tests/test_hf_parity.py",
+    "tests/test_engine.py",
+    "tests/test_engine_sampled.py",
+    "tests/test_lossless.py",
+]
+PARITY_REDUCED = ["tests/test_engine.py::test_greedy_equals_plain_decoding_every_policy"]
 
 
 def run_parity(backend: str, reduced: bool, timeout: int) -> dict:
@@ -117,15 +122,16 @@ def run_train(tcfg, tparams, dcfg, args, run_dir: Path) -> tuple[dict, object]:
 def run_serve(tcfg, tparams, dcfg, dparams, args) -> dict:
     import numpy as np
 
-    from dspark_jax.engine.speculative import SpeculativeDecoder
+    from dspark_jax.engine import ServingEngine
     from dspark_jax.models.generate import generate
 
     rng = np.random.default_rng(1)
     new = args.new_tokens
-    dec = SpeculativeDecoder(tcfg, dcfg, tparams, dparams, max_len=16 + new + 2 * dcfg.block_size + 8, length_buckets=(16,))  # fmt: skip
     out: dict = {"new_tokens": new, "rows": []}
     for b in args.serve_batches:
         prompts = [rng.integers(0, tcfg.vocab_size, 16).tolist() for _ in range(b)]
+        dec = ServingEngine(tcfg, dcfg, tparams, dparams, num_slots=b, max_len=16 + new + 2 * dcfg.block_size + 8, prompt_buckets=(16,), modes=("greedy",))  # fmt: skip
+        dec.warmup()
 
         def timed(fn):
             fn()  # compile
@@ -141,9 +147,9 @@ def run_serve(tcfg, tparams, dcfg, dparams, args) -> dict:
         out["rows"].append({"batch": b, "verify_len": 0, "tokens_per_s": round(base_tps, 1)})
         for n in args.verify_lens or range(1, dcfg.block_size + 1):
 
-            def spec(prompts=prompts, n=n, b=b):
-                policy = lambda conf: np.full(b, n)  # noqa: E731
-                return dec.generate(prompts, max_new_tokens=new, temperature=0.0, policy=policy)
+            def spec(prompts=prompts, n=n, dec=dec):
+                dec.set_policy("fixed", gamma=n)
+                return dec.generate(prompts, max_new_tokens=new, temperature=0.0)
 
             res, dt = timed(spec)
             toks = sum(len(r.tokens) for r in res)

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = [
-    "DECODER_LENGTH_BUCKETS",
     "ENGINE_PROMPT_BUCKETS",
     "GENERATE_BATCH_BUCKETS",
     "GENERATE_LENGTH_BUCKETS",
@@ -32,8 +31,6 @@ GENERATE_LENGTH_BUCKETS: tuple[int, ...] = tuple(2**i for i in range(4, 16))  # 
 TRAIN_SEQ_BUCKETS: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
 # engine/serving.py: prompt chunk lengths of the slot engine's prefill.
 ENGINE_PROMPT_BUCKETS: tuple[int, ...] = (32, 128, 512)
-# engine/speculative.py: prompt lengths of the batch SpeculativeDecoder.
-DECODER_LENGTH_BUCKETS: tuple[int, ...] = (32, 64, 128, 256, 512)
 
 
 def bucket_up(n: int, buckets: Sequence[int]) -> int | None:

@@ -14,7 +14,7 @@ from dspark_jax.errors import ConfigError, PolicyError, RequestError
 from dspark_jax.models.generate import generate
 from dspark_jax.sched import CostProfile, FixedGamma
 from dspark_jax.testing import CompileCounter
-from tests.engine_models import agreeing_pair
+from tests.engine_models import agreeing_pair, trained_pair
 
 G = 4
 PROMPTS = [[3, 9, 1], [5, 6, 7, 8, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48], [1, 2], [7] * 20]
@@ -185,32 +185,24 @@ def test_background_thread_streams_and_shutdown(engine, refs):
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
-def test_other_drafters_greedy_exact_with_chunked_prefill(kind):
-    """Eagle3 / DFlash contexts go through slot prefill (prompts longer than the bucket are
-    chunked) and packed rounds; the evaluator's keyword interface of generate() works."""
-    import jax
-
-    from dspark_jax import drafters
-    from dspark_jax.config import DrafterConfig
-    from dspark_jax.models import init_params
-    from dspark_jax.testing import tiny_target_config
-
-    tcfg = tiny_target_config()
-    tp = jax.tree.map(lambda x: x, init_params(tcfg, 0))
-    tp["embed_tokens"] = tp["embed_tokens"].replace(tp["embed_tokens"][...] * 20.0)
-    if kind == "eagle3":
-        dcfg = DrafterConfig.eagle3(tcfg, block_size=3)
-    else:
-        dcfg = DrafterConfig.dflash(tcfg, num_layers=1, block_size=3, mask_token_id=3)
-    dp = drafters.init_params(dcfg, target_params=tp)
+def test_other_drafters_greedy_exact_and_accepted(kind, refs):
+    """DFlash / Eagle3 drafters trained briefly on the agreeing target (tests/engine_models.py)
+    are really accepted (mean accepted length > 2), and greedy output equals plain greedy
+    decoding token for token through slot prefill (prompts longer than the bucket are chunked),
+    packed rounds at two fixed γ and the evaluator's keyword interface of generate()."""
+    tcfg, tp, dcfg, dp = trained_pair(kind, gamma=G)
     eng = ServingEngine(
-        tcfg, dcfg, tp, dp, num_slots=2, max_len=64, prompt_buckets=(8,), token_buckets=(8,),
+        tcfg, dcfg, tp, dp, num_slots=2, max_len=96, prompt_buckets=(8,), token_buckets=(4, 10),
         modes=("greedy",),
     )  # fmt: skip
-    prompts = [[5, 6, 7, 8, 9], list(range(40, 52)), [1, 2]]
-    outs = eng.generate(prompts, max_new_tokens=16, temperature=0.0, seeds=[1, 2, 3])
-    for p, o in zip(prompts, outs):
-        assert o.tokens == generate(tcfg, tp, [p], max_new_tokens=16)[0]
+    for gamma in (G, 2):
+        eng.set_policy("fixed", gamma=gamma)
+        outs = eng.generate(PROMPTS, max_new_tokens=40, temperature=0.0, seeds=[1, 2, 3, 4, 5])
+        for i, o in enumerate(outs):
+            assert len(o.tokens) == 40 and o.tokens[: len(refs[i])] == refs[i], (kind, gamma, i)
+        assert outs[0].tokens == refs[0]  # refs[0] is 40 tokens long
+        acc = [o.stats.mean_accepted_length for o in outs]
+        assert np.mean(acc) > (2.5 if gamma == G else 1.8), (kind, gamma, acc)
     with pytest.raises(ConfigError, match="confidence head"):
         eng.set_policy("alg1", cost_profile=COST)
 

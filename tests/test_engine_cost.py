@@ -46,3 +46,38 @@ def test_profile_layout_and_buckets_match_engine(tmp_path):
     assert eng.scheduler.policy.cost == prof  # used as measured, nothing re-bucketed
     assert set(prof.tokens) <= set(eng.token_buckets)  # every point is a bucket the engine runs
     assert all(t > 0 for t in prof.steps_per_s)
+
+
+def test_scheduler_fast_path_equals_the_policy_functions():
+    """Algorithm 1 / async top-K in the engine rank once per round (host time is round time);
+    lengths equal the `sched.policies` functions followed by the bucket fill, ties included."""
+    import numpy as np
+
+    from dspark_jax.engine.scheduling import Scheduler
+    from dspark_jax.sched import causal_greedy_lengths, top_k_lengths
+
+    g, buckets = 4, (2, 4, 8, 16, 24, 40)
+    rng = np.random.default_rng(0)
+    for beta in (0.02, 0.3, 3.0):
+        cost = CostProfile.from_step_time(1.0, beta, max_tokens=64)
+        flat = dataclasses.replace(cost, token_buckets=())
+        kw = dict(policy_gamma=None, threshold=0.5, cost=cost, sts=None, token_buckets=buckets,
+                  has_confidence=True)  # fmt: skip
+        alg1, asy = Scheduler("alg1", g, **kw), Scheduler("async", g, **kw)
+        assert alg1._sps is not None
+        for _ in range(60):
+            r = int(rng.integers(1, 9))
+            rho = rng.normal(1.0, 2.0, (r, g)).round(1)  # rounded: ties happen
+            caps = rng.integers(0, g + 2, r)
+            conf = alg1.calibrate(rho)
+
+            def fill(lengths, r=r, conf=conf, caps=caps):
+                total = r + int(lengths.sum())
+                bucket = next(b for b in buckets if b >= total)
+                return top_k_lengths(conf, int(lengths.sum()) + bucket - total, caps)
+
+            ref = fill(causal_greedy_lengths(conf, flat, caps))
+            assert np.array_equal(alg1.lengths(rho, caps), ref), (rho, caps)
+            k = int(rng.integers(0, r * g + 1))
+            asy._next_capacity = k
+            assert np.array_equal(asy.lengths(rho, caps), fill(top_k_lengths(conf, k, caps)))

@@ -154,3 +154,35 @@ def test_sampled_follows_target_law_with_scheduler_and_rejects_biased_policy():
     bad, _ = run(10**6)
     chi_bad = min(_chisquare(c, lw).pvalue for c, lw in ((bad, law), (bad.sum(1), law.sum(1))))
     assert chi_bad < 1e-6, chi_bad
+
+
+@pytest.mark.slow
+def test_eagle3_sampled_follows_target_law():
+    """Eagle3's autoregressive drafts (a draft cache extended with the committed tokens) through
+    slot prefill and packed rounds keep the target's law (chi-square on (t2, t3))."""
+    from dspark_jax import drafters
+    from dspark_jax.config import DrafterConfig
+    from dspark_jax.models import init_params
+    from dspark_jax.testing import tiny_target_config
+
+    tcfg = tiny_target_config(vocab_size=8)
+    tp = jax.tree.map(lambda x: x, init_params(tcfg, 1))
+    tp["embed_tokens"] = tp["embed_tokens"].replace(tp["embed_tokens"][...] * 2.5)
+    dcfg = DrafterConfig.eagle3(tcfg, block_size=2)
+    dp = drafters.init_params(dcfg, seed=5, target_params=tp)
+    prompt = [1, 2, 3]
+    law = _exact_pair_law(tcfg, tp, prompt)
+    eng = ServingEngine(
+        tcfg, dcfg, tp, dp, num_slots=16, max_len=32, prompt_buckets=(8,), token_buckets=(48,),
+        modes=("sampled",),
+    )  # fmt: skip
+    eng.warmup()
+    n = 6000
+    outs = eng.generate([prompt] * n, [RequestParams(3, temperature=1.0, seed=i) for i in range(n)])
+    counts = np.zeros_like(law)
+    for o in outs:
+        counts[o.tokens[1], o.tokens[2]] += 1
+    assert sum(sum(o.num_accepted) for o in outs) > n // 10, "drafts must be accepted"
+    for c, lw in ((counts, law), (counts.sum(1), law.sum(1))):
+        chi = _chisquare(c, lw)
+        assert chi.pvalue > 1e-3, chi

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_jax.engine.speculative import RequestResult
+from dspark_jax.engine import RequestOutput, SpecStats
 from dspark_jax.eval import analyses
 from dspark_jax.eval.offline import summarize
 from dspark_jax.sched.cost import CostProfile
@@ -20,7 +20,7 @@ def _records(n_req=24, rounds=12, seed=0, sharp=1.0):
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n_req):
-        r = RequestResult([], [], [], [], [])
+        r = RequestOutput("r", 0, [], "length", SpecStats(), [], [], [], [])
         for _ in range(rounds):
             rho = rng.normal(1.5, 1.5, G)
             c = 1 / (1 + np.exp(-rho / sharp))

@@ -1,5 +1,5 @@
-"""Engines: `ServingEngine` (slots, continuous batching, scheduled packed verification; the one
-the server and the evaluator use) and the older static-batch `SpeculativeDecoder`."""
+"""The engine: `ServingEngine` (slots, continuous batching, scheduled packed verification), the
+one the server, `serve.py generate` and the evaluator use."""
 
 from dspark_jax.engine.requests import (
     Delta,

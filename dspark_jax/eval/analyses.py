@@ -1,6 +1,6 @@
 """The paper's analyses from the evaluation's own per-round records (cheap: no extra decoding).
 
-Every function takes the fixed-γ rounds the evaluate stage already decoded (`RequestResult`s or
+Every function takes the fixed-γ rounds the evaluate stage already decoded (`RequestOutput`s or
 the engine's `RequestOutput`s: `num_accepted`, `proposed`, `eos`, `conf_logits` per round) and
 returns plain dicts (JSON); `markdown_*` render them as tables, `plot_*` as PNGs.
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Sequence
 
 import numpy as np
 
-from dspark_jax.engine.speculative import RequestResult, SpeculativeDecoder
+from dspark_jax.engine import RequestOutput, ServingEngine
 from dspark_jax.spec.metrics import acceptance_stats
 
 
@@ -28,7 +27,7 @@ class EvalDataset:
 
 
 def run_dataset(
-    decoder: SpeculativeDecoder,
+    decoder: ServingEngine,
     ds: EvalDataset,
     *,
     max_new_tokens: int,
@@ -37,47 +36,30 @@ def run_dataset(
     stop_ids: Sequence[int] = (),
     batch_size: int = 8,
     progress=None,
-) -> list[RequestResult]:
-    """Decode every prompt of `ds`; prompt i uses seed `seed + i` whatever batch it lands in.
+) -> list[RequestOutput]:
+    """Decode every prompt of `ds`; prompt i uses seed `seed + i` whatever slot it lands in.
 
-    A `ServingEngine` gets every prompt queued at once (continuous batching over its slots);
-    the static-batch `SpeculativeDecoder` gets padded chunks of `batch_size`."""
-    out: list[RequestResult] = []
+    Every prompt of a chunk is queued at once (continuous batching over the engine's slots);
+    chunks of `8 * batch_size` prompts only pace the progress bar."""
+    out: list[RequestOutput] = []
     prompts = [list(p) for p in ds.prompts]
-    if hasattr(decoder, "submit"):
-        for lo in range(0, len(prompts), 8 * batch_size):  # chunks only for the progress bar
-            chunk = prompts[lo : lo + 8 * batch_size]
-            out.extend(
-                decoder.generate(
-                    chunk,
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    seeds=[seed + lo + j for j in range(len(chunk))],
-                    stop_ids=stop_ids,
-                )  # fmt: skip
-            )
-            if progress is not None:
-                progress.update(len(chunk))
-        return out
-    for lo in range(0, len(prompts), batch_size):
-        chunk = prompts[lo : lo + batch_size]
-        seeds = [seed + lo + j for j in range(len(chunk))]
-        # pad the batch to a fixed size so every chunk reuses one compiled program
-        pad = batch_size - len(chunk)
-        res = decoder.generate(
-            chunk + [chunk[0]] * pad,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seeds=seeds + [seeds[0]] * pad,
-            stop_ids=stop_ids,
+    for lo in range(0, len(prompts), 8 * batch_size):
+        chunk = prompts[lo : lo + 8 * batch_size]
+        out.extend(
+            decoder.generate(
+                chunk,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                seeds=[seed + lo + j for j in range(len(chunk))],
+                stop_ids=stop_ids,
+            )  # fmt: skip
         )
-        out.extend(res[: len(chunk)])
         if progress is not None:
             progress.update(len(chunk))
     return out
 
 
-def summarize(results: list[RequestResult], gamma: int) -> dict:
+def summarize(results: list[RequestOutput], gamma: int) -> dict:
     """τ (pooled, per-request mean ± std), curves and verify rate of a list of requests."""
     a, n, e, ids = [], [], [], []
     for i, r in enumerate(results):
@@ -106,7 +88,7 @@ def _f(x):
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
 
 
-def calibration_pairs(results: list[RequestResult], gamma: int):
+def calibration_pairs(results: list[RequestOutput], gamma: int):
     """(conf_logits [N, γ], A [N], n [N]) of the rounds with n ≥ 1 (REFERENCE §6.5 inputs)."""
     rho, a, n = [], [], []
     for r in results:
@@ -261,55 +243,3 @@ def plot_report(table: dict, per_drafter: dict, path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
-
-
-def speed_batch1(
-    decoder: SpeculativeDecoder,
-    tcfg,
-    tparams,
-    prompts,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    stop_ids=(),
-    ar_generate=None,
-) -> dict:
-    """Tokens/s of speculative vs plain autoregressive decoding at batch 1, same engine.
-
-    Both are warmed up on the first prompt first (compilation excluded)."""
-    from dspark_jax.models.generate import generate
-
-    sampling = None if temperature == 0 else {"temperature": temperature}
-
-    def ar(p, seed):
-        return generate(
-            tcfg,
-            tparams,
-            [p],
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            stop_ids=stop_ids,
-            seeds=[seed],
-        )[0]
-
-    def sd(p, seed):
-        return decoder.generate(
-            [p],
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seeds=[seed],
-            stop_ids=stop_ids,
-        )[0].tokens
-
-    prompts = [list(p) for p in prompts]
-    ar(prompts[0], 0)
-    sd(prompts[0], 0)
-    res = {}
-    for name, fn in (("autoregressive", ar), ("speculative", sd)):
-        n_tok, t0 = 0, time.perf_counter()
-        for i, p in enumerate(prompts):
-            n_tok += len(fn(p, i))
-        dt = time.perf_counter() - t0
-        res[f"{name}_tokens_per_s"] = n_tok / dt
-    res["speedup"] = res["speculative_tokens_per_s"] / res["autoregressive_tokens_per_s"]
-    return res

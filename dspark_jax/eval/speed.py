@@ -6,15 +6,18 @@ bucket) runs twice before timing, and the compilations during the timed part are
 (`compilations_during_timing`, must be 0). Components are timed in one process, interleaved in a
 shuffled order, medians reported; absolute times on a shared CPU are noise, the ratios are not.
 
-Round breakdown (blocked calls of the `SpeculativeDecoder` programs, batch 1; the cost of one
-dispatch with the same arguments, a jitted no-op, is subtracted from each component):
-  propose  the drafter's γ drafts (`propose_step`);
-  verify   the target forward over the γ+1 tokens against the KV cache;
-  commit   `verify_step` minus that forward (acceptance, residual draw, cache and drafter-context
-           update);
-  host     the fused round through the host loop minus the three above (dispatch, read-back).
-`step` is one plain decode token inside `generate()`'s device loop (marginal cost of 64 tokens).
-Ideal speedup = τ · step / round.
+Round breakdown, on the serving engine's own programs (`engine.device`, one slot, fixed γ,
+blocked calls; the cost of one dispatch with the same arguments, a jitted no-op, is subtracted
+from each separately called component):
+  propose  the drafter's γ drafts (`drafters.propose` on the slot state, as the round ends);
+  verify   the target's packed forward over the γ+1 tokens (`models.packed.packed_forward`,
+           the round's own token and cache buckets);
+  commit   `device.packed_round` minus those two and its dispatch (packing, acceptance, residual
+           draw, cache and drafter-context update);
+  host     `ServingEngine.step()` minus the device round's compute (scheduler, dispatch,
+           read-back, the host's commit of the tokens).
+`round` is one `ServingEngine.step()`. `step` is one plain decode token inside `generate()`'s
+device loop (marginal cost of 64 tokens). Ideal speedup = τ · step / round.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import drafters as drafters_lib
 from dspark_jax.buckets import pow2_bucket
-from dspark_jax.engine.speculative import SpeculativeDecoder, verify_step
+from dspark_jax.engine import RequestParams, ServingEngine
 from dspark_jax.models.generate import generate
-from dspark_jax.models.transformer import forward, init_cache
-from dspark_jax.spec.sampling import SamplingConfig, validate_sampling_params
+from dspark_jax.models.packed import packed_forward
 from dspark_jax.testing import CompileCounter
 
 VERIFY_TOKENS = (1, 2, 4, 8, 16)
@@ -49,6 +52,67 @@ def _ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _propose(dcfg, scfg, dparams, state, key, seeds, sp):
+    return drafters_lib.propose(dcfg, dparams, state.ctx, state.anchor, key, seeds, sp, scfg,
+                                rounds_B=state.rounds)  # fmt: skip
+
+
+_propose_jit = jax.jit(_propose, static_argnums=(0, 1))
+
+
+def _forward(tcfg, cache_len, tparams, state, drafts):
+    """The round's packed verify forward over one slot's anchor + drafts ([T] tokens)."""
+    t = drafts.shape[0] + 1
+    toks = jnp.concatenate([state.anchor[:1], drafts])
+    pos = state.cache.lengths[0] + jnp.arange(t, dtype=jnp.int32)
+    zeros = jnp.zeros((t,), jnp.int32)
+    return packed_forward(tcfg, tparams, toks, zeros, pos, zeros == 0, state.cache, cache_len)
+
+
+_forward_jit = jax.jit(_forward, static_argnums=(0, 1))
+
+
+class _Slot:
+    """One ServingEngine slot kept busy: a request that never runs out of room, re-admitted
+    (untimed) when it nears its end; a private copy of the slot state for the device-only
+    timers, whose donated round chain restarts from that copy every few rounds."""
+
+    def __init__(self, eng: ServingEngine, prompt, temperature: float, rounds: int):
+        self.eng, self.prompt, self.rounds = eng, prompt, rounds
+        self.params = RequestParams(rounds * (eng.gamma + 1) + 2, temperature=temperature, seed=0)
+        self.handle = None
+        self.readmit()
+        self.snapshot = jax.tree.map(jnp.copy, eng.state)
+        self.chain, self.n = self.fresh(), 0
+
+    def readmit(self):
+        if self.handle is not None:
+            self.eng.cancel(self.handle.id)
+            self.eng.step()
+        self.handle = self.eng.submit(self.prompt, self.params)
+        self.eng.step()  # admission: prefill + first round
+        self.left = self.rounds - 1
+
+    def fresh(self):
+        return jax.tree.map(jnp.copy, self.snapshot)
+
+    def step_ms(self) -> float:
+        if self.left <= 1:
+            self.readmit()
+        self.left -= 1
+        return _ms(self.eng.step)
+
+    def round_ms(self, run) -> float:
+        if self.n >= self.rounds:  # stay inside the cache
+            self.chain, self.n = self.fresh(), 0
+        jax.block_until_ready(self.chain)
+        t0 = time.perf_counter()
+        self.chain = run(self.chain)
+        dt = (time.perf_counter() - t0) * 1e3
+        self.n += 1
+        return dt
+
+
 def round_breakdown(
     tcfg,
     tparams,
@@ -61,81 +125,67 @@ def round_breakdown(
     seed: int = 0,
 ) -> dict:
     """Medians (ms) of a plain decode step, the verify forward at each T in `verify_tokens`, and
-    per drafter (`{kind: (dcfg, dparams)}`) propose / commit / host / round."""
+    per drafter (`{kind: (dcfg, dparams)}`) propose / commit / host / round, on a 1-slot
+    `ServingEngine` (fixed γ) per drafter."""
     prompt = [int(x) for x in prompt]
     plen = len(prompt)
     bucket = pow2_bucket(plen)
     sampled = temperature > 0
-    sp = validate_sampling_params(max(temperature, 1e-6) if sampled else 0.0, 0, 1.0, 0.0,
-                                  batch_size=1)  # fmt: skip
-    scfg = SamplingConfig.for_params(sp)
-    seeds = jnp.zeros((1,), jnp.uint32)
-    timers: dict[str, object] = {}
+    mode = "sampled" if sampled else "greedy"
+    timers: dict[str, object] = {}  # name -> fn returning its own time in ms
     sampling = {"temperature": temperature} if sampled else None
     n_short, n_long = 8, 72
 
     def gen(n):
-        return lambda: generate(
+        return lambda: _ms(lambda: generate(
             tcfg, tparams, [prompt], max_new_tokens=n, sampling=sampling, seeds=[0],
             batch_buckets=(1,), length_buckets=(pow2_bucket(plen + n_long),),
-        )  # fmt: skip
+        ))  # fmt: skip
 
     timers["gen_short"], timers["gen_long"] = gen(n_short), gen(n_long)
-    fwd = jax.jit(forward, static_argnums=0)
-    cache = init_cache(tcfg, 1, plen + 32)
-    pos0 = jnp.arange(plen, dtype=jnp.int32)[None]
-    _, cache = fwd(tcfg, tparams, jnp.asarray([prompt]), pos0, cache)
     gammas = {d[0].block_size for d in drafters.values()}
     ts = sorted(set(verify_tokens) | {g + 1 for g in gammas} | {1})
-    for t in ts:
-        toks = jnp.asarray([(prompt * t)[:t]])
-        pos = plen + jnp.arange(t, dtype=jnp.int32)[None]
-        timers[f"fwd_{t}"] = lambda toks=toks, pos=pos: jax.block_until_ready(
-            fwd(tcfg, tparams, toks, pos, cache)
-        )
-    vstep = jax.jit(verify_step, static_argnums=(0, 1, 2))
-    room = (reps + 4) * 3 * 8 + 64
-    states = {}
+    rounds = reps + 4
+    first = None
     for kind, (dcfg, dparams) in drafters.items():
         g = dcfg.block_size
-        dec = SpeculativeDecoder(tcfg, dcfg, tparams, dparams, max_len=bucket + room,
-                                 length_buckets=(bucket,))  # fmt: skip
-        toks = np.zeros((1, bucket), np.int32)
-        toks[0, :plen] = prompt
-        toks, lens = jnp.asarray(toks), jnp.asarray([plen], jnp.int32)
+        eng = ServingEngine(
+            tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed",
+            max_len=bucket + (rounds + 2) * (g + 1) + max(ts) + 8, prompt_buckets=(bucket,),
+            token_buckets=(g + 1,), modes=(mode,),
+        )  # fmt: skip
+        eng.warmup()
+        slot = _Slot(eng, prompt, temperature, rounds)
+        scfg = eng._scfg(mode)
+        sp = eng._sp_rows([slot.params], mode)
+        seeds = np.zeros(1, np.uint32)
+        s_len = eng.max_len
+        full, active = np.full(1, g, np.int32), np.ones(1, bool)
 
-        def fresh(dec=dec, dcfg=dcfg, dparams=dparams, toks=toks, lens=lens):
-            return dec._prefill(tcfg, dcfg, scfg, dec.max_len, tparams, dparams, toks, lens,
-                                dec.key, seeds, sp)  # fmt: skip
+        def run_round(st, eng=eng, g=g, scfg=scfg, sp=sp, seeds=seeds, full=full, active=active):
+            st, out = eng._round(tcfg, eng.dcfg, scfg, g + 1, eng.max_len, eng.tparams,
+                                 eng.dparams, st, full, active, seeds, sp, eng.key)  # fmt: skip
+            jax.block_until_ready(out)
+            return st
 
-        state0 = fresh()
-        prop0 = dec._propose(dcfg, scfg, dparams, state0, dec.key, seeds, sp)
-        full = jnp.full((1,), g, jnp.int32)
-        states[kind] = {"state": fresh(), "n": 0}
+        def propose(slot=slot, eng=eng, scfg=scfg, sp=sp, seeds=seeds):
+            return _ms(lambda: jax.block_until_ready(_propose_jit(
+                eng.dcfg, scfg, eng.dparams, slot.snapshot, eng.key, seeds, sp)))  # fmt: skip
 
-        def propose(dec=dec, dcfg=dcfg, dparams=dparams, state0=state0):
-            jax.block_until_ready(dec._propose(dcfg, scfg, dparams, state0, dec.key, seeds, sp))
-
-        def verify(dcfg=dcfg, dparams=dparams, state0=state0, prop0=prop0, full=full, dec=dec):
-            jax.block_until_ready(vstep(tcfg, dcfg, scfg, tparams, dparams, state0, prop0, full,
-                                        dec.key, seeds, sp))  # fmt: skip
-
-        def round_(dec=dec, dcfg=dcfg, dparams=dparams, kind=kind, fresh=fresh, full=full):
-            rec = states[kind]
-            if rec["n"] >= reps + 4:  # stay inside the cache
-                rec["state"], rec["n"] = fresh(), 0
-            st, out = dec._fused(tcfg, dcfg, scfg, tparams, dparams, rec["state"], full,
-                                 dec.key, seeds, sp)  # fmt: skip
-            np.asarray(out.emitted), np.asarray(out.num_accepted)  # the host loop's read-back
-            rec["state"], rec["n"] = st, rec["n"] + 1
-
-        def noop(dparams=dparams, state0=state0):
-            jax.block_until_ready(_noop(tparams, dparams, state0))
-
-        timers[f"dispatch_{kind}"] = noop
+        timers[f"dispatch_{kind}"] = lambda slot=slot, dparams=dparams: _ms(
+            lambda: jax.block_until_ready(_noop(tparams, dparams, slot.snapshot))
+        )
         timers[f"propose_{kind}"] = propose
-        timers[f"verifystep_{kind}"] = verify
-        timers[f"round_{kind}"] = round_
+        timers[f"round_{kind}"] = lambda slot=slot, run=run_round: slot.round_ms(run)
+        timers[f"step_{kind}"] = slot.step_ms
+        if first is None:  # the forward sweep on the first engine's slot state
+            first = (slot, s_len)
+    if first is not None:
+        slot, s_len = first
+        for t in ts:
+            drafts = jnp.zeros((t - 1,), jnp.int32) + slot.snapshot.anchor[0]
+            timers[f"fwd_{t}"] = lambda drafts=drafts: _ms(lambda: jax.block_until_ready(
+                _forward_jit(tcfg, s_len, tparams, slot.snapshot, drafts)))  # fmt: skip
     for fn in timers.values():  # compile and warm every program
         fn()
         fn()
@@ -146,7 +196,7 @@ def round_breakdown(
         for _ in range(reps):
             rng.shuffle(order)
             for k in order:
-                samples[k].append(_ms(timers[k]))
+                samples[k].append(timers[k]())
     med = {k: statistics.median(v) for k, v in samples.items()}
     step = max((med["gen_long"] - med["gen_short"]) / (n_long - n_short), 1e-6)
     out = {
@@ -155,23 +205,25 @@ def round_breakdown(
         "reps": reps,
         "compilations_during_timing": cc.count,
         "step_ms": step,
-        "verify_forward_ms": {t: med[f"fwd_{t}"] for t in ts},
-        "verify_forward_in_steps": {t: med[f"fwd_{t}"] / step for t in ts},
+        "verify_forward_ms": {t: med[f"fwd_{t}"] for t in ts} if first else {},
+        "verify_forward_in_steps": {t: med[f"fwd_{t}"] / step for t in ts} if first else {},
         "drafters": {},
     }
     for kind, (dcfg, _) in drafters.items():
         g = dcfg.block_size
-        # each separately called component paid one dispatch; the fused round pays one in all
+        # separately called components pay one dispatch each; the round program pays one
         d = med[f"dispatch_{kind}"]
-        p, v, r = med[f"propose_{kind}"] - d, med[f"verifystep_{kind}"] - d, med[f"round_{kind}"]
-        f = med[f"fwd_{g + 1}"] - d
-        host = r - p - v
+        p, f = med[f"propose_{kind}"] - d, med[f"fwd_{g + 1}"] - d
+        dev_round, r = med[f"round_{kind}"], med[f"step_{kind}"]
+        commit = dev_round - d - p - f
+        host = r - p - f - commit
         out["drafters"][kind] = {
             "gamma": g,
             "dispatch_ms": d,
             "propose_ms": p,
             "verify_forward_ms": f,
-            "commit_ms": v - f,
+            "commit_ms": commit,
+            "device_round_ms": dev_round,
             "host_ms": host,
             "round_ms": r,
             "round_in_steps": r / step,
