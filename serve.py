@@ -49,6 +49,9 @@ def main(argv=None) -> int:
     add_distributed_flags(g)  # every process gets the same prompts (SPMD)
     server_cli.add_subcommands(sub)
     args = ap.parse_args(argv)
+    from dspark_jax.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()  # warm-up compiles every bucket; a restart reads them back
     if args.cmd in ("serve", "bench"):
         return server_cli.run(args)
 

@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run-dir", default="", help="override run_dir")
     ap.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from dspark_jax.compile_cache import enable_compilation_cache
     from dspark_jax.parallel import add_distributed_flags, init_distributed
 
     add_distributed_flags(ap)
@@ -66,7 +67,8 @@ def main(argv=None) -> int:
     from dspark_jax.run.pipeline import STAGES, Pipeline, stage_summary
 
     try:
-        # before anything touches devices
+        # before anything touches devices or compiles
+        enable_compilation_cache()
         init_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed)
         cfg = load_config(args.config)
         sets = list(args.set) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])

@@ -1,0 +1,51 @@
+"""The persistent compilation cache of train.py / serve.py: where it goes, how to turn it off,
+and that a second process reads back what the first one wrote."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dspark_jax.compile_cache import ENV, cache_dir
+
+CHILD = """
+import time, jax, jax.numpy as jnp
+from dspark_jax.compile_cache import enable_compilation_cache
+print(enable_compilation_cache())
+hits = []
+jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
+x = jnp.ones((8, 8))
+jax.jit(lambda a: jnp.tanh(a @ a.T).sum())(x).block_until_ready()
+print(sum("cache_hits" in h for h in hits))
+"""
+
+
+def test_cache_dir_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / "dspark-jax" / "xla"
+    for off in ("off", "0", "none", ""):
+        monkeypatch.setenv(ENV, off)
+        assert cache_dir() is None
+    monkeypatch.setenv(ENV, str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_a_second_process_reads_the_cache(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{ENV: str(tmp_path / "xla")})
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", CHILD],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout.split()  # fmt: skip
+        for _ in range(2)
+    ]
+    assert Path(runs[0][0]) == tmp_path / "xla" and any((tmp_path / "xla").iterdir())
+    assert runs[0][1] == "0" and int(runs[1][1]) >= 1  # the second process hit the cache
