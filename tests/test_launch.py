@@ -158,3 +158,22 @@ def test_stage_transitions_in_a_two_process_run(tmp_path):
         assert o == {"first": {"corpus": "ran"}, "again": {"corpus": "cached"}}
     assert sorted(f.name for f in (run / "corpus").iterdir()) == ["done.json", "p0.txt", "p1.txt"]
     assert not (run / "work").exists()
+
+
+def test_batch_that_the_mesh_cannot_split_is_refused_at_start_up(tmp_path):
+    """A drafters micro-batch that data x fsdp does not divide: one line naming the field, exit 2,
+    before any stage runs (it used to surface only when the drafters stage built its Trainer)."""
+    env = dict(os.environ, TQDM_DISABLE="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")  # fmt: skip
+    run = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--config", "configs/micro.py", "--run-dir",
+         str(run), "--set", "mesh.data=2", "--set", "drafters.train.global_batch_size=6",
+         "--set", "drafters.train.micro_batch_size=3"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "drafters.train.micro_batch_size=3" in err[0], p.stderr
+    assert "data x fsdp = 2" in err[0] and "Traceback" not in p.stderr
+    assert not (run / "corpus").exists()

@@ -17,6 +17,7 @@ from dspark_jax.errors import ConfigError
 from dspark_jax.io import atomic_path, atomic_write, write_json_atomic, write_text_atomic
 from dspark_jax.run.rundir import LENGTH_BUCKETS
 from dspark_jax.run.staged import STAGES, StagedRun
+from dspark_jax.run.validate import validate_mesh
 
 
 class Pipeline(StagedRun):
@@ -31,6 +32,7 @@ class Pipeline(StagedRun):
     def __init__(self, cfg, **kw):
         super().__init__(cfg, **kw)
         self.mesh = parallel.make_mesh(self.cfg.mesh)
+        validate_mesh(self.cfg, self.mesh)  # before the first stage, not at the drafters stage
         self.rundir.mesh = self.inference_mesh()
 
     def inference_mesh(self):

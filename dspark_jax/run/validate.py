@@ -236,3 +236,18 @@ def _exists(f: str, field: str) -> None:
     p = Path(f)
     if not p.is_file():
         raise ConfigError(f"{field}: {f} does not exist or is not a file — check the path")
+
+
+def validate_mesh(cfg: PipelineConfig, mesh) -> None:
+    """The rules that need the device mesh, checked when the mesh is built (before the first
+    stage): the drafters' Trainer gives every data x fsdp shard whole sequences."""
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    t = cfg.drafters.train
+    for name in ("micro_batch_size", "eval_batch_size"):
+        b = getattr(t, name)
+        if b % shards:
+            raise ConfigError(
+                f"drafters.train.{name}={b} is not a multiple of the mesh's data x fsdp = "
+                f"{shards} (each device trains on whole sequences) — set it to a multiple of "
+                f"{shards} or change mesh.data / mesh.fsdp"
+            )
