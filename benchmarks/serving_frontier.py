@@ -101,6 +101,28 @@ def closed_loop(eng, prompts, c: int, per_client: int, max_new: int, seed0: int)
     }
 
 
+def scheduler_host_us(eng, table, cost, sts, reps: int = 200) -> dict:
+    """Host time of each policy's `Scheduler.lengths` at R = slots (median of `reps` calls, µs):
+    it sits between a round's read-back and the next dispatch, so it is round time."""
+    from dspark_jax.engine.scheduling import Scheduler
+
+    rho = np.random.default_rng(0).normal(2.0, 1.0, (eng.num_slots, eng.gamma))
+    caps = np.full(eng.num_slots, eng.gamma)
+    out = {}
+    for name, (pol, kw) in table.items():
+        sch = Scheduler(pol, eng.gamma, policy_gamma=kw.get("gamma"),
+                        threshold=kw.get("threshold", 0.5), cost=cost, sts=sts,
+                        token_buckets=eng.token_buckets,
+                        has_confidence=eng.scheduler.has_confidence)  # fmt: skip
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            sch.lengths(rho, caps)
+            ts.append(time.perf_counter() - t0)
+        out[name] = float(np.median(ts) * 1e6)
+    return out
+
+
 def _aggregate_at(points, speed):
     """Aggregate throughput of a policy's curve at a per-user speed (linear in between, clamped
     at the ends)."""
@@ -199,20 +221,28 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, tcfg.vocab_size - 1, args.prompt_len).tolist() for _ in range(64)]
     eng.start()
-    results = {}
-    table = policies(eng.gamma, args.threshold)
-    for name, (pol, kw) in table.items():
-        if args.policies and name not in args.policies:
-            continue
-        eng.set_policy(pol, cost_profile=cost, sts=sts, **kw)
-        results[name] = [
-            closed_loop(eng, prompts, c, args.rounds_per_client, args.max_new_tokens, 1000 * c)
-            for c in args.concurrency
-        ]
-        print(name, json.dumps(results[name][-1]), file=sys.stderr)
+    table = {
+        k: v for k, v in policies(eng.gamma, args.threshold).items()
+        if not args.policies or k in args.policies
+    }  # fmt: skip
+    results = {name: [] for name in table}
+    # concurrency outer, policies inner in a rotating order: the machine's load drifts over a
+    # run (shared CPU), so every policy at one concurrency is measured at about the same time
+    names = list(table)
+    for i, c in enumerate(args.concurrency):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            pol, kw = table[name]
+            eng.set_policy(pol, cost_profile=cost, sts=sts, **kw)
+            results[name].append(
+                closed_loop(eng, prompts, c, args.rounds_per_client, args.max_new_tokens, 1000 * c)
+            )
+            print(name, json.dumps(results[name][-1]), file=sys.stderr)
+    for pts in results.values():
+        pts.sort(key=lambda p: p["concurrency"])
     eng.shutdown(drain=True)
     summary = summarize(results)
     summary["retraces_after_warmup"] = eng.compilations - warm
+    summary["scheduler_host_us_per_round"] = scheduler_host_us(eng, table, cost, sts)
     summary["warmup_and_run_s"] = time.perf_counter() - t0
     out = {"config": vars(args), "gamma": eng.gamma, "results": results, "summary": summary}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -33,6 +33,7 @@ import numpy as np
 from dspark_jax import drafters as drafters_lib
 from dspark_jax.buckets import pow2_bucket
 from dspark_jax.engine import RequestParams, ServingEngine
+from dspark_jax.errors import ConfigError
 from dspark_jax.models.generate import generate
 from dspark_jax.models.packed import packed_forward
 from dspark_jax.testing import CompileCounter
@@ -129,7 +130,6 @@ def round_breakdown(
     `ServingEngine` (fixed γ) per drafter."""
     prompt = [int(x) for x in prompt]
     plen = len(prompt)
-    bucket = pow2_bucket(plen)
     sampled = temperature > 0
     mode = "sampled" if sampled else "greedy"
     timers: dict[str, object] = {}  # name -> fn returning its own time in ms
@@ -145,14 +145,21 @@ def round_breakdown(
     timers["gen_short"], timers["gen_long"] = gen(n_short), gen(n_long)
     gammas = {d[0].block_size for d in drafters.values()}
     ts = sorted(set(verify_tokens) | {g + 1 for g in gammas} | {1})
-    rounds = reps + 4
     first = None
     for kind, (dcfg, dparams) in drafters.items():
         g = dcfg.block_size
+        # the slot's room: re-admitted (untimed) every `rounds` rounds, within the context
+        margin = plen + 2 * (g + 1) + max(ts) + 8
+        max_len = min(margin + (reps + 4) * (g + 1), tcfg.max_position_embeddings)
+        rounds = (max_len - margin) // (g + 1)
+        if rounds < 2:
+            raise ConfigError(
+                f"the speed breakdown's prompt ({plen} tokens) leaves no room for rounds in the "
+                f"target's context ({tcfg.max_position_embeddings}); use a shorter prompt"
+            )
         eng = ServingEngine(
-            tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed",
-            max_len=bucket + (rounds + 2) * (g + 1) + max(ts) + 8, prompt_buckets=(bucket,),
-            token_buckets=(g + 1,), modes=(mode,),
+            tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed", max_len=max_len,
+            prompt_buckets=(plen,), token_buckets=(g + 1,), modes=(mode,),
         )  # fmt: skip
         eng.warmup()
         slot = _Slot(eng, prompt, temperature, rounds)
