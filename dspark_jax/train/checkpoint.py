@@ -17,6 +17,13 @@ orbax cannot read, or one whose restored arrays do not match the saved fingerpri
 with a `CheckpointWarning` in favour of the previous good step (the skipped newer steps are
 renamed `<step>.corrupt-<time>`, so the resumed run can write those steps again); if every step
 is bad, `CheckpointError` says so and which directory to remove.
+
+A trainer's run directory (`config.json` sidecar, `metrics.jsonl`, `checkpoints/`, `best/`):
+`check_resumable` refuses a resume under another configuration (a run written before a
+TrainConfig field existed resumes when the field's behaviour-preserving value holds,
+`ADDED_TRAIN_FIELDS`), `restore_train_state` restores the newest good step, `trim_metrics_log`
+drops the log of the steps a resume redoes, and `load_best_params` loads `best/` after checking
+(`drafters.compat.check_fits`) that it was trained for the target at hand.
 """
 
 from __future__ import annotations
@@ -292,6 +299,25 @@ def trim_metrics_log(path: Path, last_step: int) -> None:
             keep.append(line)
     with atomic_write(path) as f:
         f.write("".join(x + "\n" for x in keep))
+
+
+def restore_train_state(ckpt: Checkpointer, best_ckpt: Checkpointer, live_state, cfg):
+    """`(step, state, meta)` of the newest good training checkpoint (restored into the shapes,
+    dtypes and shardings of `live_state`), or None. Refuses a checkpoint whose data position is
+    not step x `cfg.global_batch_size`; drops the best checkpoints after the restored step (they
+    belong to the discarded future: the resumed run recomputes them bit for bit)."""
+    got = ckpt.restore(abstract_like(live_state))
+    if got is None:
+        return None
+    step, state, meta = got
+    if int(meta["data_position"]) != step * cfg.global_batch_size:
+        raise CheckpointError(
+            f"checkpoint {step}: data position {meta['data_position']} does not match "
+            f"step x global_batch_size; the batch size changed, use a new run_dir"
+        )
+    best_ckpt.drop_steps_after(step)
+    log.info("resumed from %s step %d", ckpt.directory, step)
+    return step, state, meta
 
 
 def load_best_params(

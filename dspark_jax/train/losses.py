@@ -51,6 +51,7 @@ from dspark_jax.drafters.api import build
 from dspark_jax.drafters.common import DrafterParams, lm_logits
 from dspark_jax.drafters.dspark import teacher_forced
 from dspark_jax.drafters.eagle3 import ttt_hidden
+from dspark_jax.spec.metrics import block_tau
 from dspark_jax.train.anchors import AnchorBlocks, make_blocks, sample_anchors
 
 Batch = dict[str, jax.Array]
@@ -135,7 +136,7 @@ def block_terms(
         "n_supervised": mask.sum(),
     }
     valid_block = (blocks.keep & blocks.eval_mask.any(-1)).astype(f32)
-    tau_block = 1.0 + jnp.cumprod(acc * mask, axis=-1).sum(-1)
+    tau_block = block_tau(acc, mask)
     t["tau_num"] = (tau_block * valid_block).sum()
     t["tau_den"] = valid_block.sum()
     if conf_BxNxG is not None:
@@ -274,8 +275,7 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
         mden.append(mk.sum())
     accs, match = jnp.stack(accs, -1), jnp.stack(match, -1)  # [B, L, γ]
     valid0 = lm
-    tau = 1.0 + jnp.cumprod(accs, -1).sum(-1)
-    tau_g = 1.0 + jnp.cumprod(match, -1).sum(-1)
+    tau, tau_g = block_tau(accs), block_tau(match)
     accept_num, accept_den = jnp.stack(tv_num), jnp.stack(mden)
     m = {
         "loss": total,
@@ -300,9 +300,7 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
     return total, m
 
 
-def simulated_tau(accept_BxG: jax.Array, mask_BxG: jax.Array) -> jax.Array:
-    """τ = 1 + Σ_k Π_{i≤k}(1 − TV_i)·mask_i per row [B] (REFERENCE §4.5)."""
-    return 1.0 + jnp.cumprod(accept_BxG * mask_BxG, axis=-1).sum(-1)
+simulated_tau = block_tau  # τ per block [B] (REFERENCE §4.5), owned by spec.metrics
 
 
 __all__ = [

@@ -9,6 +9,10 @@ reads, built from the `TrainConfig` in one place (`of`): a field a step reads is
 statics, never a default. Runs that differ only in other fields (intervals, seeds, data) share
 the compiled steps.
 
+Data on the mesh: `plan_data` builds the training stream (per-process shards) and the held-out
+batches and checks the batch sizes against the mesh; `device_batch` assembles a global batch from
+the rows each process holds.
+
 The loss contract (`dspark_jax.train.losses`): `loss_fn(trainable, frozen, batch, rng) -> (loss,
 metrics)`; `batch` holds `input_ids`, `loss_mask`, `attention_mask` [B, L] and `target_features`
 [B, L, m*H], `target_hidden` [B, L, H] in the compute dtype. Metric keys ending in `_num` / `_den`
@@ -31,9 +35,10 @@ from flax import nnx
 
 from dspark_jax import parallel
 from dspark_jax.config import TargetConfig
+from dspark_jax.errors import ConfigError, DatasetError
 from dspark_jax.spec.metrics import is_additive
 from dspark_jax.train import loader as loader_lib
-from dspark_jax.train.features import target_features
+from dspark_jax.train.features import FeatureCacheReader, target_features
 from dspark_jax.train.optimizer import OptimizerSettings, lr_schedule, make_optimizer
 
 log = logging.getLogger(__name__)
@@ -292,18 +297,112 @@ def device_batch(mesh, source, mb: loader_lib.MicroBatch, pad_id: int) -> dict[s
     return out
 
 
+def check_features(cfg, target_cfg, target_params, train_data, eval_data):
+    """The target features' source fits `cfg.feature_mode`: online needs the target, offline a
+    `FeatureCacheReader` built by this target. Returns the target params the steps read (None
+    offline)."""
+    if cfg.feature_mode == "online":
+        if target_cfg is None or target_params is None:
+            raise ConfigError(
+                "feature_mode='online' needs target_cfg and target_params (the frozen target "
+                "runs inside the train step); or build a feature cache and use 'offline'"
+            )
+        return target_params
+    for name, d in (("train_data", train_data), ("eval_data", eval_data)):
+        if d is not None and not isinstance(d, FeatureCacheReader):
+            raise ConfigError(
+                f"feature_mode='offline' needs {name} to be a FeatureCacheReader (build "
+                "one with features.write_feature_cache); or use feature_mode='online'"
+            )
+        if d is not None and target_cfg is not None:
+            d.check_target(target_cfg)
+    return None
+
+
+@dataclasses.dataclass
+class DataPlan:
+    """The training stream and the held-out batches of a run."""
+
+    train_source: loader_lib.SampleSource
+    loader: loader_lib.DataLoader
+    eval_source: loader_lib.SampleSource | None
+    eval_plan: list
+
+
+def plan_data(cfg, mesh, train_data, eval_data) -> DataPlan:
+    """Sources, the training loader (per-process data shards) and the evaluation batches;
+    DatasetError / ConfigError (one line) for data or batch sizes that cannot work on `mesh`."""
+    train_source = loader_lib.as_source(train_data)
+    loader = loader_lib.DataLoader(
+        train_source,
+        global_batch=cfg.global_batch_size,
+        micro_batch=cfg.micro_batch_size,
+        buckets=cfg.seq_buckets,
+        data_seed=cfg.data_seed,
+        empty_sequences=cfg.empty_sequences,
+        num_shards=data_shards(mesh, cfg.micro_batch_size),
+    )
+    eval_source = None if eval_data is None else loader_lib.as_source(eval_data)
+    eval_plan = []
+    if eval_source is not None:
+        eval_plan = loader_lib.eval_batches(
+            eval_source,
+            batch_size=cfg.eval_batch_size,
+            buckets=cfg.seq_buckets,
+            max_batches=cfg.max_eval_batches,
+        )
+        if not eval_plan:
+            raise DatasetError(
+                "the evaluation set has no sequence with a supervised token; pass other "
+                "held-out data or eval_data=None"
+            )
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    for name, b in (
+        ("micro_batch_size", cfg.micro_batch_size),
+        ("eval_batch_size", cfg.eval_batch_size),
+    ):
+        if b % shards:
+            raise ConfigError(
+                f"TrainConfig.{name}={b} must be a multiple of the mesh's data x fsdp = "
+                f"{shards} (each device gets whole sequences)"
+            )
+    if min(mesh.shape.values()) > 1 and jax.default_backend() == "cpu":
+        log.warning(
+            "mesh %s has data, fsdp and tensor all > 1: XLA on CPU (jax 0.10.2) computes "
+            "wrong gradients for some layouts there (tests/test_distributed.py::"
+            "test_xla_gradient_on_a_2x2x2_mesh_is_correct); prefer at most two axes > 1",
+            dict(mesh.shape),
+        )
+    return DataPlan(train_source, loader, eval_source, eval_plan)
+
+
+def abstract_batch(mesh, data: DataPlan, shape) -> dict[str, jax.ShapeDtypeStruct]:
+    """A micro-batch of `shape` [B, L] as sharded `ShapeDtypeStruct`s (ahead-of-time lowering)."""
+    proto = data.train_source.get(int(data.loader.usable[0]))
+    batch = {}
+    for name, v in dict(proto, attention_mask=np.zeros((1,), np.uint8)).items():
+        full = tuple(shape) + tuple(np.shape(v)[1:])
+        sh = parallel.batch_sharding(mesh, full)
+        batch[name] = jax.ShapeDtypeStruct(full, np.asarray(v).dtype, sharding=sh)
+    return batch
+
+
 __all__ = [
     "EVAL_STREAM",
+    "DataPlan",
     "LossFn",
     "StaticFn",
     "StepStatics",
     "UpdateStatics",
+    "abstract_batch",
     "cast_floats",
+    "check_features",
     "data_shards",
     "device_batch",
     "eval_step",
     "jitted",
     "metric_shapes",
+    "plan_data",
     "shardings",
     "train_apply_step",
     "train_micro_step",

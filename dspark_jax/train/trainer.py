@@ -25,6 +25,10 @@ Determinism: the data order is a function of the stream position, the loss RNG o
 of update s is fold_in(fold_in(key(seed), s), a), and the optimizer state is restored exactly,
 so a resumed run reproduces the uninterrupted loss trajectory bit for bit (same devices/flags).
 
+Size: ~500 lines, over the house's ~400 on purpose: one class whose construction helpers
+(validate -> plan memory -> place -> open run dir) and loop (run, evaluate, save) share its state;
+everything that stands alone already lives in the modules named above.
+
 Run directory: `config.json` (sidecar: every config of the run and the target the drafter is
 trained for), `metrics.jsonl` (one line per train step / evaluation), `checkpoints/` (latest
 steps for resume), `best/` (trainable params of the best evaluation by `TrainConfig.best_metric`).
@@ -51,7 +55,7 @@ from dspark_jax import parallel
 from dspark_jax.config import DrafterConfig, MeshConfig, TargetConfig, TrainConfig
 from dspark_jax.drafters import init_params
 from dspark_jax.drafters.compat import TargetId, check_fits
-from dspark_jax.errors import CheckpointError, ConfigError, DatasetError
+from dspark_jax.errors import ConfigError
 from dspark_jax.io import atomic_write
 from dspark_jax.spec.metrics import summarize
 from dspark_jax.train import loader as loader_lib
@@ -60,12 +64,11 @@ from dspark_jax.train import memory as memory_lib
 from dspark_jax.train import steps as steps_lib
 from dspark_jax.train.checkpoint import (
     Checkpointer,
-    abstract_like,
     check_resumable,
     load_best_params,
+    restore_train_state,
     trim_metrics_log,
 )
-from dspark_jax.train.features import FeatureCacheReader
 from dspark_jax.train.optimizer import make_optimizer
 
 log = logging.getLogger(__name__)
@@ -140,16 +143,7 @@ class Trainer:
         target_params = self._validate(train_data, eval_data, target_params, frozen, resume)
         self.spec = steps_lib.StepStatics.of(cfg, loss_fn, target_cfg)
         self.update_statics = steps_lib.UpdateStatics.of(cfg, self.total_steps)
-        self.sidecar = {
-            "train": cfg.to_json(),
-            "target": None if target_cfg is None else target_cfg.to_json(),
-            "drafter": None if drafter_cfg is None else _drafter_json(drafter_cfg),
-            "total_steps": self.total_steps,
-            **(sidecar or {}),
-        }
-        if target_cfg is not None:
-            tid = TargetId.of(target_cfg, name=target_name, vocab_hash=vocab_hash)
-            self.sidecar["trained_for"] = tid.to_json()
+        self.sidecar = self._sidecar(sidecar, target_name, vocab_hash)
         if resume and (self.run_dir / "checkpoints").exists():
             check_resumable(self.run_dir, self.sidecar, TrainConfig.RESUMABLE_CHANGES)
         self._plan_memory(trainable, frozen, target_params)
@@ -162,66 +156,15 @@ class Trainer:
         """Every check that needs no device memory; returns the target params the steps use
         (None offline). Nothing is written before all of them passed."""
         cfg, target_cfg, drafter_cfg = self.cfg, self.target_cfg, self.drafter_cfg
-        if cfg.feature_mode == "online":
-            if target_cfg is None or target_params is None:
-                raise ConfigError(
-                    "feature_mode='online' needs target_cfg and target_params (the frozen target "
-                    "runs inside the train step); or build a feature cache and use 'offline'"
-                )
-        else:
-            for name, d in (("train_data", train_data), ("eval_data", eval_data)):
-                if d is not None and not isinstance(d, FeatureCacheReader):
-                    raise ConfigError(
-                        f"feature_mode='offline' needs {name} to be a FeatureCacheReader (build "
-                        "one with features.write_feature_cache); or use feature_mode='online'"
-                    )
-                if d is not None and target_cfg is not None:
-                    d.check_target(target_cfg)
-            target_params = None
+        target_params = steps_lib.check_features(
+            cfg, target_cfg, target_params, train_data, eval_data
+        )
         if drafter_cfg is not None and target_cfg is not None:
             check_fits(target_cfg, drafter_cfg, target_params=target_params, frozen=frozen)
-        self.train_source = loader_lib.as_source(train_data)
-        self.loader = loader_lib.DataLoader(
-            self.train_source,
-            global_batch=cfg.global_batch_size,
-            micro_batch=cfg.micro_batch_size,
-            buckets=cfg.seq_buckets,
-            data_seed=cfg.data_seed,
-            empty_sequences=cfg.empty_sequences,
-            num_shards=steps_lib.data_shards(self.mesh, cfg.micro_batch_size),
-        )
-        self.eval_source = None if eval_data is None else loader_lib.as_source(eval_data)
-        self.eval_plan = []
-        if self.eval_source is not None:
-            self.eval_plan = loader_lib.eval_batches(
-                self.eval_source,
-                batch_size=cfg.eval_batch_size,
-                buckets=cfg.seq_buckets,
-                max_batches=cfg.max_eval_batches,
-            )
-            if not self.eval_plan:
-                raise DatasetError(
-                    "the evaluation set has no sequence with a supervised token; pass other "
-                    "held-out data or eval_data=None"
-                )
+        self.data = steps_lib.plan_data(cfg, self.mesh, train_data, eval_data)
+        self.train_source, self.loader = self.data.train_source, self.data.loader
+        self.eval_source, self.eval_plan = self.data.eval_source, self.data.eval_plan
         self.total_steps = cfg.total_steps or cfg.num_epochs * self.loader.steps_per_epoch
-        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        for name, b in (
-            ("micro_batch_size", cfg.micro_batch_size),
-            ("eval_batch_size", cfg.eval_batch_size),
-        ):
-            if b % shards:
-                raise ConfigError(
-                    f"TrainConfig.{name}={b} must be a multiple of the mesh's data x fsdp = "
-                    f"{shards} (each device gets whole sequences)"
-                )
-        if min(self.mesh.shape.values()) > 1 and jax.default_backend() == "cpu":
-            log.warning(
-                "mesh %s has data, fsdp and tensor all > 1: XLA on CPU (jax 0.10.2) computes "
-                "wrong gradients for some layouts there (tests/test_distributed.py::"
-                "test_xla_gradient_on_a_2x2x2_mesh_is_correct); prefer at most two axes > 1",
-                dict(self.mesh.shape),
-            )
         ckpt_dir = self.run_dir / "checkpoints"
         if not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
             raise ConfigError(
@@ -229,6 +172,21 @@ class Trainer:
                 "resume=True to continue that run)"
             )
         return target_params
+
+    def _sidecar(self, extra, target_name: str, vocab_hash: str) -> dict[str, Any]:
+        """`config.json`: every config of the run and the target the drafter is trained for."""
+        tcfg, dcfg = self.target_cfg, self.drafter_cfg
+        side = {
+            "train": self.cfg.to_json(),
+            "target": None if tcfg is None else tcfg.to_json(),
+            "drafter": None if dcfg is None else _drafter_json(dcfg),
+            "total_steps": self.total_steps,
+            **(extra or {}),
+        }
+        if tcfg is not None:
+            tid = TargetId.of(tcfg, name=target_name, vocab_hash=vocab_hash)
+            side["trained_for"] = tid.to_json()
+        return side
 
     def _plan_memory(self, trainable, frozen, target_params) -> None:
         """The per-device memory plan: printed, and refused when it cannot fit, before anything
@@ -374,25 +332,14 @@ class Trainer:
         return {"trainable": self.trainable, "opt_state": self.opt_state}
 
     def _restore(self) -> None:
-        got = self.ckpt.restore(abstract_like(self._state()))
+        got = restore_train_state(self.ckpt, self.best_ckpt, self._state(), self.cfg)
         if got is None:
             return
         step, state, meta = got
         self.trainable, self.opt_state = state["trainable"], state["opt_state"]
-        self.step = int(meta["step"])
-        if int(meta["data_position"]) != self.step * self.cfg.global_batch_size:
-            raise CheckpointError(
-                f"checkpoint {step}: data position {meta['data_position']} does not match "
-                f"step x global_batch_size; the batch size changed, use a new run_dir"
-            )
-        key_data = np.asarray(meta["rng"], np.uint32)
-        self.base_key = jax.random.wrap_key_data(key_data)
+        self.step = self.resumed_from = self._saved_step = step
+        self.base_key = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
         self.best_score, self.best_step = meta.get("best_score"), meta.get("best_step")
-        self.resumed_from = self._saved_step = step
-        # best checkpoints from after the restored step belong to the discarded future: the
-        # resumed run recomputes them (bit for bit), so they are written again if still best
-        self.best_ckpt.drop_steps_after(step)
-        log.info("resumed from %s step %d", self.ckpt.directory, step)
 
     def save(self) -> None:
         """Start an asynchronous checkpoint of the current step (every process must call it)."""
@@ -419,13 +366,8 @@ class Trainer:
     def _check_compiled_memory(self) -> None:
         """Compile the micro-step for the largest bucket ahead of time and compare XLA's
         per-device memory analysis with the plan; refuse when XLA's total exceeds the limit."""
-        proto = self.train_source.get(int(self.loader.usable[0]))
         shape = (self.cfg.micro_batch_size, max(self.cfg.seq_buckets))
-        batch = {}
-        for name, v in dict(proto, attention_mask=np.zeros((1,), np.uint8)).items():
-            full = shape + tuple(np.shape(v)[1:])
-            sh = parallel.batch_sharding(self.mesh, full)
-            batch[name] = jax.ShapeDtypeStruct(full, np.asarray(v).dtype, sharding=sh)
+        batch = steps_lib.abstract_batch(self.mesh, self.data, shape)
         grad_acc, metric_acc = self._init_accumulators(batch)
         lowered = self._micro.lower(*self._micro_args(grad_acc, metric_acc, batch, 0, 0))
         self.compiled_memory = memory_lib.check_compiled(
