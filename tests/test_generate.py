@@ -214,7 +214,7 @@ def test_bad_input_raises_before_work(params, prompts, kwargs, match):
     kwargs = {"max_new_tokens": 4, **kwargs}
     with CompileCounter() as cc, pytest.raises(ValueError, match=match):
         generate(CFG, params, prompts, **kwargs, **BUCKETS)
-    assert cc.count == 0
+    assert cc.count == 0, cc.names
     assert issubclass(RequestError, ValueError)
 
 

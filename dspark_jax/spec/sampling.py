@@ -200,11 +200,13 @@ def validate_sampling_params(
             f"min_p must be in [0, 1] (0 = off); bad {_bad_rows(bad_m)}: {m[bad_m][:8].tolist()}"
         )
     k = np.minimum(k_raw, np.iinfo(np.int32).max).astype(np.int32)
+    # cast on the host and transfer: jnp.asarray would compile a small program per dtype
+    # before the caller has finished checking the request
     return SamplingParams(
-        temperature=jnp.asarray(t, jnp.float32),
-        top_k=jnp.asarray(k, jnp.int32),
-        top_p=jnp.asarray(p, jnp.float32),
-        min_p=jnp.asarray(m, jnp.float32),
+        temperature=jax.device_put(np.asarray(t, np.float32)),
+        top_k=jax.device_put(k),
+        top_p=jax.device_put(np.asarray(p, np.float32)),
+        min_p=jax.device_put(np.asarray(m, np.float32)),
     )
 
 
