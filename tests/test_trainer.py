@@ -405,3 +405,19 @@ def _check_best_checkpoint_names_its_target(run_dir, t, tcfg, dcfg):
         load_best_params(
             run_dir, abstract, target_cfg=other, drafter_cfg=dcfg.replace(target=other)
         )
+
+
+def test_vocab_hash_follows_the_vocabulary_not_the_object():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from dspark_jax.drafters.compat import vocab_hash
+
+    def tok(vocab):
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, "[UNK]")))
+
+    base = {"[UNK]": 0, "a": 1, "b": 2}
+    h = vocab_hash(tok(base))
+    assert len(h) == 16 and h == vocab_hash(tok(dict(reversed(list(base.items())))))
+    assert vocab_hash(tok({"[UNK]": 0, "a": 2, "b": 1})) != h  # same tokens, other ids
