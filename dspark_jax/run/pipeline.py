@@ -1,5 +1,6 @@
 """The stages behind `train.py`: corpus → tokenizer → target → regenerate → drafters →
-calibrate → evaluate (one `_stage_<name>` method each). Caching, cache keys and the run
+calibrate → evaluate (one `_stage_<name>` method each; the two longest bodies are in
+`run/regenerate_stage.py` and `run/evaluate_stage.py`). Caching, cache keys and the run
 directory's versions are `dspark_jax.run.staged.StagedRun`'s; loading is `RunDir`'s.
 """
 
@@ -10,12 +11,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from dspark_jax import parallel
 from dspark_jax.errors import ConfigError
-from dspark_jax.io import atomic_path, atomic_write, write_json_atomic, write_text_atomic
-from dspark_jax.run.rundir import LENGTH_BUCKETS
+from dspark_jax.io import write_json_atomic
+from dspark_jax.run import evaluate_stage, regenerate_stage
 from dspark_jax.run.staged import STAGES, StagedRun
 from dspark_jax.run.validate import validate_mesh
 
@@ -210,89 +210,7 @@ class Pipeline(StagedRun):
         return None
 
     def _stage_regenerate(self):
-        from dspark_jax.models.generate import generate
-        from dspark_jax.train.data_templates import encode_prompt
-
-        c = self.cfg.regenerate
-        tcfg, tparams = self._regen_target()
-        tok = self.tokenizer()
-        requests = self._regen_requests()
-        prompts = [t for _, t in requests]
-        stop = self.stop_ids()
-        ctx = tcfg.max_position_embeddings
-        buckets = tuple(b for b in LENGTH_BUCKETS if b <= ctx)
-        shard_dir = self.stage_dir("regenerate") / "shards"
-        shard_dir.mkdir(parents=True, exist_ok=True)
-        shard = max(c.batch_size, 1) * c.shard_batches
-        # multi-process: process k regenerates shards s % n == k into <s>.p<k>.jsonl
-        pi, pn = jax.process_index(), jax.process_count()
-        mine = [lo for lo in range(0, len(prompts), shard) if (lo // shard) % pn == pi]
-        bar = tqdm(
-            total=sum(len(prompts[lo : lo + shard]) for lo in mine),
-            desc="regenerate",
-            unit="prompt",
-        )
-        written = 0
-        for lo in mine:
-            s = lo // shard
-            path = shard_dir / (f"{s:05d}.jsonl" if pn == 1 else f"{s:05d}.p{pi}.jsonl")
-            chunk = prompts[lo : lo + shard]
-            if any(shard_dir.glob(f"{s:05d}.*jsonl")):  # resumed: finished before (any process)
-                bar.update(len(chunk))
-                written += len(chunk)
-                continue
-            # the sample's own system message is sent with every turn (REFERENCE §1.2)
-            msgs = [
-                [{"role": "system", "content": sys_}] if sys_ else []
-                for sys_, _ in requests[lo : lo + shard]
-            ]
-            max_turns = max(len(t) for t in chunk)
-            for turn in range(max_turns):  # multi-turn prompts answered turn by turn
-                idx = [i for i, t in enumerate(chunk) if len(t) > turn]
-                for i in idx:
-                    msgs[i].append({"role": "user", "content": chunk[i][turn]})
-                toks = [list(encode_prompt(tok, msgs[i])) for i in idx]
-                keep = [j for j, t in enumerate(toks) if len(t) + c.max_new_tokens <= ctx]
-                outs = generate(
-                    tcfg, tparams, [toks[j] for j in keep], max_new_tokens=c.max_new_tokens,
-                    sampling={"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k},
-                    stop_ids=stop, seeds=[c.seed + lo + idx[j] for j in keep],
-                    batch_buckets=(c.batch_size,), length_buckets=buckets,
-                )  # fmt: skip
-                for j, out in zip(keep, outs):
-                    text = tok.decode([t for t in out if t not in stop], skip_special_tokens=True)
-                    msgs[idx[j]].append({"role": "assistant", "content": text.strip() or "."})
-            rows = [
-                {"id": lo + i, "conversations": m}
-                for i, m in enumerate(msgs)
-                if m and m[-1]["role"] == "assistant"
-            ]
-            with atomic_write(path) as f:
-                for r in rows:
-                    f.write(json.dumps(r) + "\n")
-            written += len(chunk)
-            bar.update(len(chunk))
-        bar.close()
-        if pn > 1:  # every process's shards are written before anyone reads them
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("regenerate shards written")
-        return {"prompts": len(prompts)}
-
-    def _regen_target(self):
-        """The target for regeneration: the run's (on the pipeline's mesh) in a single-process
-        run; with several processes each one regenerates different prompts, so each holds its
-        own copy on its local devices (`parallel.local_mesh`)."""
-        if jax.process_count() == 1:
-            return self.target()
-        if "regen_target" not in self.rundir._cache:
-            from dspark_jax.models.hf import load_target
-
-            self.rundir._cache["regen_target"] = load_target(
-                self.rundir.target_path(), mesh=parallel.local_mesh(self.cfg.mesh),
-                target_layer_ids=self.cfg.target.target_layer_ids or None,
-            )  # fmt: skip
-        return self.rundir._cache["regen_target"]
+        return regenerate_stage.run_regenerate(self)
 
     def _regenerated(self):
         from dspark_jax.train.data import read_conversations
@@ -388,212 +306,7 @@ class Pipeline(StagedRun):
         }
 
     def _stage_evaluate(self):
-        from dspark_jax.eval import offline
-        from dspark_jax.eval import speed as evspeed
-        from dspark_jax.train.data import select_prompts
-
-        e = self.cfg.evaluate
-        tcfg, tparams = self.target()
-        stop = self.stop_ids()
-        datasets, coverage = {}, {}
-        for name, (dom, turns) in self.eval_sets().items():
-            kept, too_long, limit = self.fitting_prompts(turns, e.max_new_tokens)
-            sel = tuple(select_prompts(kept, e.max_prompts_per_dataset))
-            coverage[name] = {
-                "domain": dom, "prompts": len(sel), "available": len(turns),
-                "too_long": too_long, "max_prompt_tokens": limit,
-            }  # fmt: skip
-            if too_long:
-                self.log(
-                    f"  {name}: {too_long} of {len(turns)} prompts longer than {limit} tokens "
-                    "(the target's context minus the generation budget) are not evaluated"
-                )
-            if not sel:
-                self.log(f"  {name}: no prompt fits in {limit} tokens; dataset not evaluated")
-                continue
-            datasets[name] = offline.EvalDataset(name, dom, sel)
-        if not datasets:
-            raise ConfigError(
-                f"no evaluation prompt fits in the target's context minus "
-                f"evaluate.max_new_tokens={e.max_new_tokens} — lower evaluate.max_new_tokens or "
-                "use shorter prompts"
-            )
-        longest = max(len(p) for ds in datasets.values() for p in ds.prompts)
-        domains = {k: v.domain for k, v in datasets.items()}
-        per_drafter: dict[str, dict] = {}
-        calib = None
-        total = sum(len(v.prompts) for v in datasets.values()) * len(self.cfg.drafters.kinds)
-        bar = tqdm(total=total, desc="evaluate", unit="prompt")
-        all_results = {}
-        decoders = {
-            k: self.rundir.decoder_for(k, [longest], e.max_new_tokens, e.max_len)
-            for k in self.cfg.drafters.kinds
-        }
-        for kind in self.cfg.drafters.kinds:
-            dec = decoders[kind]
-            per_drafter[kind] = {}
-            for name, ds in datasets.items():
-                res = offline.run_dataset(
-                    dec, ds, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                    seed=e.seed, stop_ids=stop, batch_size=e.batch_size, progress=bar,
-                )  # fmt: skip
-                per_drafter[kind][name] = offline.summarize(res, dec.dcfg.block_size)
-                all_results[(kind, name)] = res
-        bar.close()
-        table = offline.tau_table(per_drafter, domains)
-        if "dspark" in per_drafter and (self.stage_dir("calibrate") / "sts.json").exists():
-            calib = self._calibration_report(all_results, datasets)
-        by_temp = self._other_temperatures(decoders, datasets, domains, stop)
-        speed, breakdown = None, None
-        if e.speed_prompts and self.cfg.drafters.kinds:
-            kind = "dspark" if "dspark" in self.cfg.drafters.kinds else self.cfg.drafters.kinds[0]
-            first = next(iter(datasets.values()))
-            if e.speed_reps:
-                breakdown = self._speed_breakdown(first.prompts[0], table)
-            self.log("  speed: plain vs speculative decoding at batch 1 (every bucket warmed)")
-            speed = evspeed.measured_speedup(
-                decoders[kind], tcfg, tparams, first.prompts[: e.speed_prompts],
-                max_new_tokens=e.max_new_tokens, temperature=e.temperature, stop_ids=stop,
-            )  # fmt: skip
-            speed = {"drafter": kind, **speed}
-        extra = self._analyses(all_results, datasets, domains, breakdown, table)
-        report = {
-            "config": self.cfg.name,
-            # prompts evaluated / available / too long for the context, per dataset
-            "datasets": {k: coverage[k] for k in datasets},
-            "datasets_not_evaluated": {k: v for k, v in coverage.items() if k not in datasets},
-            **table,
-            "per_dataset": per_drafter,
-            "calibration": calib,
-            "tau_by_temperature": by_temp,
-            "speed_batch1": speed,
-            "speed_breakdown": breakdown,
-            **{k: v for k, v in extra.items() if not k.startswith("_")},
-            "stage_seconds": self.timings,
-        }
-        out = self.stage_dir("evaluate")
-        write_json_atomic(out / "report.json", report)
-        md = offline.markdown_report(table, per_drafter, None, calib, coverage=coverage)
-        md += "\n".join(extra["_markdown"] + _temperature_lines(by_temp)
-                        + evspeed.markdown_speed(breakdown, speed)) + "\n"  # fmt: skip
-        write_text_atomic(out / "report.md", md)
-        for name, plot in [("tau", lambda f: offline.plot_report(table, per_drafter, f)),
-                           *extra["_plots"]]:  # fmt: skip
-            with atomic_path(out / f"{name}.png") as tmp:
-                plot(tmp)  # writes nothing (and returns False) without matplotlib
-        self.log("\n" + md)
-        return {"macro": {k: v["macro"] for k, v in table["tau"].items()}}
-
-    def _other_temperatures(self, decoders, datasets, domains, stop) -> dict:
-        """The τ table at each of `evaluate.temperatures` other than `evaluate.temperature`."""
-        from dspark_jax.eval import offline
-
-        e = self.cfg.evaluate
-        out = {}
-        for t in e.temperatures:
-            if float(t) == float(e.temperature):
-                continue
-            per = {}
-            for kind, dec in decoders.items():
-                per[kind] = {}
-                for name, ds in datasets.items():
-                    res = offline.run_dataset(
-                        dec, ds, max_new_tokens=e.max_new_tokens, temperature=float(t),
-                        seed=e.seed, stop_ids=stop, batch_size=e.batch_size,
-                    )  # fmt: skip
-                    per[kind][name] = offline.summarize(res, dec.dcfg.block_size)
-            out[f"{float(t):g}"] = offline.tau_table(per, domains)
-            self.log(f"  T={float(t):g}: macro τ " + ", ".join(
-                f"{k} {v['macro']:.3f}" for k, v in out[f"{float(t):g}"]["tau"].items()))  # fmt: skip
-        return out
-
-    def _speed_breakdown(self, prompt, table) -> dict:
-        """The round's breakdown per drafter next to a plain decode step (eval/speed.py)."""
-        from dspark_jax.eval import speed as evspeed
-
-        e = self.cfg.evaluate
-        tcfg, tparams = self.target()
-        drafters = {k: self.drafter(k) for k in self.cfg.drafters.kinds}
-        self.log("  speed: timing the round's components (compiled, interleaved, medians)")
-        bd = evspeed.round_breakdown(
-            tcfg, tparams, drafters, prompt, temperature=e.temperature, reps=e.speed_reps
-        )
-        return evspeed.add_ideal(bd, {k: v["macro"] for k, v in table["tau"].items()})
-
-    def _analyses(self, all_results, datasets, domains, breakdown, table) -> dict:
-        """Bootstrap intervals, θ sweep, reliability, policies (eval/analyses.py); with the
-        markdown lines (`_markdown`) and the PNG writers (`_plots`)."""
-        from dspark_jax.eval import analyses
-        from dspark_jax.sched.cost import CostProfile
-
-        kinds = self.cfg.drafters.kinds
-        res = {k: {n: all_results[(k, n)] for n in datasets} for k in kinds}
-        boot = analyses.bootstrap_tau(res, domains)
-        out: dict = {"bootstrap": boot, "_markdown": [], "_plots": []}
-        out["_markdown"] += analyses.markdown_bootstrap(boot, table)
-        if "dspark" not in kinds:
-            return out
-        sts = self.rundir.sts("dspark")
-        temps = None if sts is None else sts.temperatures
-        pooled = [r for n in datasets for r in res["dspark"][n]]
-        sweep = analyses.threshold_sweep(res["dspark"])
-        rel = analyses.reliability_bins(pooled, temperatures=temps)
-        cost = self.rundir.cost_profile()
-        if cost is None and breakdown:
-            # affine fit of the measured verify forward vs tokens (batch 1) as the cost model
-            t = np.asarray([float(k) for k in breakdown["verify_forward_ms"]])
-            y = np.asarray(list(breakdown["verify_forward_ms"].values())) / 1e3
-            beta, alpha = np.polyfit(t, y, 1)
-            cost = CostProfile.from_step_time(max(alpha, 1e-6), max(beta, 1e-9))
-        pol = analyses.policy_replay(pooled, temperatures=temps, cost=cost)
-        out.update(threshold_sweep=sweep, reliability=rel, policies=pol)
-        out["_markdown"] += (analyses.markdown_threshold(sweep) + analyses.markdown_reliability(rel)
-                             + analyses.markdown_policies(pol))  # fmt: skip
-        out["_plots"] += [
-            ("analyses", lambda f: analyses.plot_analyses(sweep, pol, f)),
-            ("reliability", lambda f: analyses.plot_reliability(rel, f)),
-        ]
-        return out
-
-    def _calibration_report(self, all_results, datasets):
-        from dspark_jax.eval.offline import calibration_pairs
-        from dspark_jax.sched.sts import STS
-        from dspark_jax.spec.metrics import reliability_from_logits
-
-        sts = STS.load(self.stage_dir("calibrate") / "sts.json")
-        g = self.drafter("dspark")[0].block_size
-        parts = [calibration_pairs(all_results[("dspark", name)], g) for name in datasets]
-        rho = np.concatenate([p[0] for p in parts])
-        a = np.concatenate([p[1] for p in parts])
-        n = np.concatenate([p[2] for p in parts])
-        if rho.shape[0] == 0:
-            return None
-        raw = reliability_from_logits(rho, a, n)
-        cal = reliability_from_logits(rho, a, n, temperatures=sts.temperatures)
-        rows = []
-        for k in range(g):
-            rows.append({
-                "count": raw.count[k], "ece_raw": raw.ece[k], "ece_sts": cal.ece[k],
-                "auroc": raw.auroc[k], "brier_raw": raw.brier[k], "brier_sts": cal.brier[k],
-            })  # fmt: skip
-        return {
-            "temperatures": list(map(float, sts.temperatures)),
-            "ece_raw": raw.ece_summary, "ece_sts": cal.ece_summary,
-            "auroc": raw.auroc_summary, "per_position": rows,
-        }  # fmt: skip
-
-
-def _temperature_lines(by_temp: dict) -> list[str]:
-    lines = []
-    for t, tab in by_temp.items():
-        lines += ["", f"## τ at temperature {t} (same prompts, fixed block)", ""]
-        lines.append("| drafter | " + " | ".join(next(iter(tab["tau"].values()))["domains"])
-                     + " | macro |")  # fmt: skip
-        lines.append("|---" * (len(next(iter(tab["tau"].values()))["domains"]) + 2) + "|")
-        for d, row in tab["tau"].items():
-            cells = [f"{v:.3f}" for v in row["domains"].values()]
-            lines.append(f"| {d} | " + " | ".join(cells) + f" | **{row['macro']:.3f}** |")
-    return lines
+        return evaluate_stage.run_evaluate(self)
 
 
 def _round_up(n: int, m: int) -> int:

@@ -1,0 +1,104 @@
+"""The regenerate stage of `train.py`'s pipeline (`Pipeline._stage_regenerate` delegates here):
+the target answers the training prompts (REFERENCE §1.2), so the drafters learn the target's own
+outputs. Each function takes the `Pipeline` (`p`) for its config, loaders and log.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+from tqdm.auto import tqdm
+
+from dspark_jax import parallel
+from dspark_jax.io import atomic_write
+from dspark_jax.run.rundir import LENGTH_BUCKETS
+
+
+def run_regenerate(p) -> dict:
+    """The regenerate stage's body: the target answers the training prompts turn by turn;
+    written as shards of JSONL conversations (resumable; one set per process)."""
+    from dspark_jax.models.generate import generate
+    from dspark_jax.train.data_templates import encode_prompt
+
+    c = p.cfg.regenerate
+    tcfg, tparams = regen_target(p)
+    tok = p.tokenizer()
+    requests = p._regen_requests()
+    prompts = [t for _, t in requests]
+    stop = p.stop_ids()
+    ctx = tcfg.max_position_embeddings
+    buckets = tuple(b for b in LENGTH_BUCKETS if b <= ctx)
+    shard_dir = p.stage_dir("regenerate") / "shards"
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    shard = max(c.batch_size, 1) * c.shard_batches
+    # multi-process: process k regenerates shards s % n == k into <s>.p<k>.jsonl
+    pi, pn = jax.process_index(), jax.process_count()
+    mine = [lo for lo in range(0, len(prompts), shard) if (lo // shard) % pn == pi]
+    bar = tqdm(
+        total=sum(len(prompts[lo : lo + shard]) for lo in mine),
+        desc="regenerate",
+        unit="prompt",
+    )
+    written = 0
+    for lo in mine:
+        s = lo // shard
+        path = shard_dir / (f"{s:05d}.jsonl" if pn == 1 else f"{s:05d}.p{pi}.jsonl")
+        chunk = prompts[lo : lo + shard]
+        if any(shard_dir.glob(f"{s:05d}.*jsonl")):  # resumed: finished before (any process)
+            bar.update(len(chunk))
+            written += len(chunk)
+            continue
+        # the sample's own system message is sent with every turn (REFERENCE §1.2)
+        msgs = [
+            [{"role": "system", "content": sys_}] if sys_ else []
+            for sys_, _ in requests[lo : lo + shard]
+        ]
+        max_turns = max(len(t) for t in chunk)
+        for turn in range(max_turns):  # multi-turn prompts answered turn by turn
+            idx = [i for i, t in enumerate(chunk) if len(t) > turn]
+            for i in idx:
+                msgs[i].append({"role": "user", "content": chunk[i][turn]})
+            toks = [list(encode_prompt(tok, msgs[i])) for i in idx]
+            keep = [j for j, t in enumerate(toks) if len(t) + c.max_new_tokens <= ctx]
+            outs = generate(
+                tcfg, tparams, [toks[j] for j in keep], max_new_tokens=c.max_new_tokens,
+                sampling={"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k},
+                stop_ids=stop, seeds=[c.seed + lo + idx[j] for j in keep],
+                batch_buckets=(c.batch_size,), length_buckets=buckets,
+            )  # fmt: skip
+            for j, out in zip(keep, outs):
+                text = tok.decode([t for t in out if t not in stop], skip_special_tokens=True)
+                msgs[idx[j]].append({"role": "assistant", "content": text.strip() or "."})
+        rows = [
+            {"id": lo + i, "conversations": m}
+            for i, m in enumerate(msgs)
+            if m and m[-1]["role"] == "assistant"
+        ]
+        with atomic_write(path) as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        written += len(chunk)
+        bar.update(len(chunk))
+    bar.close()
+    if pn > 1:  # every process's shards are written before anyone reads them
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("regenerate shards written")
+    return {"prompts": len(prompts)}
+
+
+def regen_target(p):
+    """The target for regeneration: the run's (on the pipeline's mesh) in a single-process
+    run; with several processes each one regenerates different prompts, so each holds its
+    own copy on its local devices (`parallel.local_mesh`)."""
+    if jax.process_count() == 1:
+        return p.target()
+    if "regen_target" not in p.rundir._cache:
+        from dspark_jax.models.hf import load_target
+
+        p.rundir._cache["regen_target"] = load_target(
+            p.rundir.target_path(), mesh=parallel.local_mesh(p.cfg.mesh),
+            target_layer_ids=p.cfg.target.target_layer_ids or None,
+        )  # fmt: skip
+    return p.rundir._cache["regen_target"]
