@@ -2,6 +2,10 @@
 
 Every config here can be a static argument of `jax.jit`. Unknown or conflicting fields are errors:
 `replace_checked` and `from_overrides` refuse names the dataclass does not have.
+
+One file (~470 lines) on purpose: the config classes share the JSON/override helpers above
+them and are read together (TargetConfig → DrafterConfig → TrainConfig); the pipeline's sections
+are in `dspark_jax.pipeline_config`.
 """
 
 from __future__ import annotations
