@@ -33,6 +33,7 @@ import time
 import jax
 import numpy as np
 
+from dspark_jax.buckets import ENGINE_PROMPT_BUCKETS, bucket_up
 from dspark_jax.drafters.compat import check_fits
 from dspark_jax.engine import device as dev
 from dspark_jax.engine import rounds as rounds_lib
@@ -105,7 +106,7 @@ class ServingEngine:
         threshold: float = 0.5,
         cost_profile=None,
         sts=None,
-        prompt_buckets=(32, 128, 512),
+        prompt_buckets=ENGINE_PROMPT_BUCKETS,
         token_buckets=None,
         cache_buckets=None,
         max_queue: int = 256,
@@ -350,7 +351,7 @@ class ServingEngine:
             start = 0
             while start < len(p):
                 n = min(big, len(p) - start)
-                c = next(b for b in self.prompt_buckets if b >= n)
+                c = bucket_up(n, self.prompt_buckets)
                 toks = np.zeros(c, np.int32)
                 toks[:n] = p[start : start + n]
                 nxt = np.zeros(c, np.int32)
@@ -540,9 +541,8 @@ class ServingEngine:
     def generate(self, prompts, params=None, **knobs) -> list[RequestOutput]:
         """Offline convenience: submit all (one RequestParams or one per prompt), run, collect.
 
-        Also accepts `SpeculativeDecoder.generate`'s keywords instead of `params`
-        (max_new_tokens, temperature, top_k, top_p, min_p, seeds, stop_ids; knobs scalar or one
-        per prompt), so the evaluator drives either engine."""
+        Also accepts keyword knobs instead of `params` (max_new_tokens, temperature, top_k,
+        top_p, min_p, seeds, stop_ids; scalar or one per prompt), as the evaluator passes them."""
         if params is None:
             params = _params_from_knobs(len(prompts), **knobs)
         elif knobs:
