@@ -32,8 +32,12 @@ class Pipeline(StagedRun):
     def __init__(self, cfg, **kw):
         super().__init__(cfg, **kw)
         self.mesh = parallel.make_mesh(self.cfg.mesh)
-        validate_mesh(self.cfg, self.mesh)  # before the first stage, not at the drafters stage
         self.rundir.mesh = self.inference_mesh()
+
+    def run_stages(self, stages=STAGES, *, force=()):
+        if "drafters" in stages:  # before the first stage, not when the drafters stage starts
+            validate_mesh(self.cfg, self.mesh)
+        return super().run_stages(stages, force=force)
 
     def inference_mesh(self):
         """The mesh of the inference stages (None: one device; see the class docstring)."""
