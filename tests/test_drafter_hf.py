@@ -11,8 +11,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from dspark_jax.drafters import api
-from dspark_jax.drafters.hf import load_hf_drafter, save_hf_drafter
+from dspark_jax.drafters.compat import TargetId
+from dspark_jax.drafters.hf import load_hf_drafter, load_hf_drafter_extras, save_hf_drafter
 from dspark_jax.errors import CheckpointError
+from dspark_jax.sched.sts import STS
 from dspark_jax.testing import tiny_drafter_config, tiny_target_config
 
 V, H, FF, NQ, NKV, D, R, M, LAYERS = 256, 64, 128, 4, 2, 16, 16, 3, 2
@@ -179,6 +181,36 @@ def test_save_then_load_roundtrip(tmp_path):
     assert cfg2 == cfg
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_temperatures_and_target_roundtrip_and_another_target_fails(tmp_path):
+    cfg = tiny_drafter_config("dspark")
+    params = api.init_params(cfg, seed=1)
+    sts = STS((0.5, 1.25, 2.0, 3.5))
+    tid = TargetId.of(cfg.target, name="tiny", vocab_hash="0123456789abcdef")
+    save_hf_drafter(cfg, params, tmp_path / "a")
+    assert load_hf_drafter_extras(tmp_path / "a") == (None, None)  # a released layout
+    save_hf_drafter(cfg, params, tmp_path / "b", sts=sts, trained_for=tid.to_json())
+    with open(tmp_path / "b" / "config.json") as f:
+        d = json.load(f)
+    with open(tmp_path / "a" / "config.json") as f:  # the released keys are unchanged
+        assert {
+            k: v for k, v in d.items() if k not in ("confidence_temperatures", "trained_for")
+        } == json.load(f)
+    assert load_hf_drafter_extras(tmp_path / "b") == (sts, tid)
+    cfg2, params2 = load_hf_drafter(tmp_path / "b", cfg.target)
+    assert cfg2 == cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+        np.testing.assert_array_equal(a, b)
+    # recorded for a 6-layer target whose features are layers (1, 4): refused on this one
+    other = TargetId.of(tiny_target_config(num_layers=6, target_layer_ids=(1, 4)))
+    save_hf_drafter(cfg, params, tmp_path / "c", trained_for=other)
+    with pytest.raises(CheckpointError, match="incompatible with the target.*6-layer target"):
+        load_hf_drafter(tmp_path / "c", cfg.target)
+    d["confidence_temperatures"] = [1.0, -2.0]
+    (tmp_path / "b" / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match="confidence_temperatures"):
+        load_hf_drafter_extras(tmp_path / "b")
 
 
 @pytest.mark.parametrize(

@@ -128,6 +128,8 @@ def drafter_config_from_hf(
         target = config_from_hf(t, dtype=dtype, target_layer_ids=layer_ids)
     try:
         check_fits(target, trained_for=_hf_target_id(hf, layer_ids))
+        if hf.get("trained_for"):  # the target an export records (name, vocabulary hash too)
+            check_fits(target, trained_for=TargetId.from_json(hf["trained_for"]))
     except ConfigError as e:
         raise CheckpointError(f"drafter config.json: {e}") from e
     fields: dict[str, Any] = dict(num_layers=int(hf["num_hidden_layers"]), dtype=dtype)
@@ -291,11 +293,39 @@ def load_hf_drafter(
     return cfg, params
 
 
+def load_hf_drafter_extras(path: str | os.PathLike):
+    """`(STS | None, TargetId | None)`: the calibration temperatures and the target a drafter
+    checkpoint's config.json records (`save_hf_drafter(..., sts=, trained_for=)`); None for
+    what it does not record (e.g. a released checkpoint)."""
+    from dspark_jax.sched.sts import STS
+
+    hf = read_hf_config(os.fspath(path))
+    sts = trained_for = None
+    if hf.get("confidence_temperatures"):
+        try:
+            sts = STS.from_dict(hf)
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{path}/config.json: confidence_temperatures: {e}") from None
+    if hf.get("trained_for"):
+        trained_for = TargetId.from_json(hf["trained_for"])
+    return sts, trained_for
+
+
 def save_hf_drafter(
-    cfg: DrafterConfig, params: DrafterParams, out_dir: str | os.PathLike, *, dtype=None
+    cfg: DrafterConfig,
+    params: DrafterParams,
+    out_dir: str | os.PathLike,
+    *,
+    dtype=None,
+    sts=None,
+    trained_for: TargetId | Mapping[str, Any] | None = None,
 ) -> str:
     """Write config.json + model.safetensors in the released layout (frozen tensors included,
-    as the reference's `save_pretrained`). Atomic per file; process 0 writes. Returns out_dir."""
+    as the reference's `save_pretrained`). Atomic per file; process 0 writes. Returns out_dir.
+
+    `sts` (an `STS`) adds its `confidence_temperatures` to config.json and `trained_for` (a
+    `TargetId` or its JSON) the target the drafter was trained for (name, layer ids, vocabulary
+    hash, shapes); both are extra keys, the released layout's keys are unchanged."""
     import jax
 
     out_dir = os.fspath(out_dir)
@@ -314,7 +344,13 @@ def save_hf_drafter(
     os.makedirs(out_dir, exist_ok=True)
     with atomic_path(os.path.join(out_dir, SAFETENSORS)) as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
-    text = json.dumps(hf_drafter_config_dict(cfg, dtype), indent=2) + "\n"
+    d = hf_drafter_config_dict(cfg, dtype)
+    if sts is not None:
+        d.update(sts.to_dict())
+    if trained_for is not None:
+        tid = trained_for if isinstance(trained_for, TargetId) else TargetId.from_json(trained_for)
+        d["trained_for"] = tid.to_json()
+    text = json.dumps(d, indent=2) + "\n"
     write_text_atomic(os.path.join(out_dir, "config.json"), text)
     return out_dir
 
@@ -327,5 +363,6 @@ __all__ = [
     "hf_drafter_config_dict",
     "hf_drafter_name",
     "load_hf_drafter",
+    "load_hf_drafter_extras",
     "save_hf_drafter",
 ]
