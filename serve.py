@@ -6,6 +6,7 @@
     python serve.py serve --run-dir runs/tiny --host 127.0.0.1 --port 8000
     python serve.py serve --run-dir runs/qwen3_4b_dspark --mesh 1,1,8   # tensor parallel, 8 devices
     python serve.py bench --url http://127.0.0.1:8000 --requests 1000
+    python serve.py export --run-dir runs/tiny --drafter dspark --out ckpt/dspark-tiny
 
 Loads the target (HF checkpoint) and the drafter's best checkpoint from the run directory,
 applies the chat template, decodes speculatively (exact: the output follows the target's
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     from dspark_jax.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()  # warm-up compiles every bucket; a restart reads them back
-    if args.cmd in ("serve", "bench"):
+    if args.cmd in ("serve", "bench", "export"):
         return server_cli.run(args)
 
     from dspark_jax.run.cli import report, user_errors

@@ -1,21 +1,30 @@
-"""`serve.py serve` / `serve.py bench` arguments and loading, without starting a server:
+"""`serve.py serve` / `bench` / `export` arguments and loading, without starting a server:
 HF checkpoints load, DSpark defaults to Algorithm 1 and the log says which cost profile it fell
-back to; user mistakes end with one line and exit code 2."""
+back to; an exported drafter carries its STS calibration and its target; user mistakes end with
+one line and exit code 2."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 
+import jax
 import pytest
 
 from dspark_jax import drafters
-from dspark_jax.drafters.hf import save_hf_drafter
+from dspark_jax.drafters.compat import TargetId, vocab_hash
+from dspark_jax.drafters.hf import load_hf_drafter_extras, save_hf_drafter
 from dspark_jax.engine import server_cli
 from dspark_jax.models import init_params
 from dspark_jax.models.hf import save_target_hf
+from dspark_jax.pipeline_config import PipelineConfig
+from dspark_jax.run.rundir import RunDir
 from dspark_jax.sched.policies import CausalGreedy, FixedGamma
+from dspark_jax.sched.sts import STS
 from dspark_jax.testing import tiny_drafter_config, tiny_target_config
+from dspark_jax.train.checkpoint import Checkpointer
 from dspark_jax.train.tokenizer import tiny_tokenizer
 
 
@@ -39,6 +48,14 @@ def ckpts(tmp_path_factory):
         dcfg = tiny_drafter_config(kind, tcfg, mask_token_id=3)
         save_hf_drafter(dcfg, drafters.init_params(dcfg, target_params=tp), root / kind)
         out[kind] = str(root / kind)
+    dcfg = tiny_drafter_config("dspark", tcfg, mask_token_id=3)
+    dp = drafters.init_params(dcfg, target_params=tp)
+    tid = TargetId.of(tcfg, name="target", vocab_hash=vocab_hash(tok))
+    save_hf_drafter(dcfg, dp, root / "cal", sts=STS((0.5, 2.0, 1.5, 3.0)), trained_for=tid)
+    out["cal"] = str(root / "cal")
+    other = dataclasses.replace(tid, vocab_hash="0123456789abcdef")  # another tokenizer's
+    save_hf_drafter(dcfg, dp, root / "other_vocab", trained_for=other)
+    out["other_vocab"] = str(root / "other_vocab")
     return str(root / "target"), out
 
 
@@ -64,6 +81,75 @@ def test_drafter_without_confidences_defaults_to_fixed(ckpts, caplog):
         engine, *_ = server_cli.build_engine(args)
     assert isinstance(engine.scheduler.policy, FixedGamma)
     assert "no confidences" in caplog.text
+
+
+def test_drafter_checkpoint_with_temperatures_serves_them(ckpts, caplog):
+    target, drafter = ckpts
+    args = _args("serve", "--target", target, "--drafter", drafter["cal"], "--policy", "alg1",
+                 "--num-slots", "1", "--max-len", "64")  # fmt: skip
+    assert server_cli._load(args)[6] == STS((0.5, 2.0, 1.5, 3.0))
+    with caplog.at_level(logging.INFO, logger="dspark.serve"):
+        engine, *_ = server_cli.build_engine(args)
+    assert isinstance(engine.scheduler.policy, CausalGreedy)
+    assert "confidence_temperatures" in caplog.text and "uncalibrated" not in caplog.text
+
+
+def test_drafter_for_another_tokenizer_is_one_line(ckpts, capsys):
+    target, drafter = ckpts
+    args = _args("serve", "--target", target, "--drafter", drafter["other_vocab"])
+    assert server_cli.run(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "vocabulary hash" in err and "\n" not in err
+
+
+def _fake_run(root, target, kinds=("dspark",)):
+    """A run directory as train.py leaves it, minus the training: the HF target and tokenizer
+    by path, a best checkpoint of freshly initialized drafter params, a calibration."""
+    cfg = PipelineConfig()
+    cfg = dataclasses.replace(
+        cfg,
+        tokenizer=dataclasses.replace(cfg.tokenizer, path=target),
+        target=dataclasses.replace(cfg.target, path=target),
+        drafters=dataclasses.replace(cfg.drafters, kinds=kinds, block_size=4, markov_rank=16),
+    )
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(cfg.to_json()))
+    run = RunDir(root)
+    tcfg, tp = run.target()
+    dcfg = run.drafter_config("dspark", tcfg)
+    params = drafters.init_params(dcfg, target_params=tp)
+    tid = TargetId.of(tcfg, name=run.target_name(), vocab_hash=run.vocab_hash())
+    ck = Checkpointer(run.drafter_dir("dspark") / "best", max_to_keep=1, async_save=False)
+    ck.save(1, {"trainable": params.trainable}, {"config": {"trained_for": tid.to_json()}})
+    ck.close()
+    STS((0.75, 1.5, 2.5, 4.0)).save(run.stage_dir("calibrate") / "sts.json")
+    return params, tid
+
+
+def test_export_writes_a_drafter_that_serves_with_its_calibration(ckpts, tmp_path, capsys):
+    target, _ = ckpts
+    params, tid = _fake_run(tmp_path / "run", target)
+    out = tmp_path / "export"
+    assert server_cli.run(_args("export", "--run-dir", str(tmp_path / "run"),
+                                "--out", str(out))) == 0  # fmt: skip
+    assert str(out) in capsys.readouterr().out
+    assert load_hf_drafter_extras(out) == (STS((0.75, 1.5, 2.5, 4.0)), tid)
+    args = _args("serve", "--target", target, "--drafter", str(out))
+    *_, dparams, sts, _, _, _ = server_cli._load(args)
+    assert sts == STS((0.75, 1.5, 2.5, 4.0))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(dparams)):
+        assert (a == b).all()
+    # a non-empty --out is refused, and so are an unknown run / an untrained drafter
+    for argv, needle in [
+        (["--run-dir", str(tmp_path / "run"), "--out", str(out)], "not an empty directory"),
+        (["--run-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "x")], "does not exist"),
+        (["--run-dir", str(tmp_path / "run"), "--drafter", "eagle3", "--out",
+          str(tmp_path / "y")], "no trained eagle3 drafter"),
+    ]:  # fmt: skip
+        assert server_cli.run(_args("export", *argv)) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and needle in err and "\n" not in err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 @pytest.mark.parametrize(

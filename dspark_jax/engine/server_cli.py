@@ -1,8 +1,9 @@
-"""`serve.py serve` and `serve.py bench`: arguments, model loading and the start-up log.
+"""`serve.py serve`, `bench` and `export`: arguments, model loading and the start-up log.
 
     python serve.py serve --run-dir runs/tiny [--host 127.0.0.1 --port 8000]
     python serve.py serve --target ckpt/Qwen3-0.6B --drafter ckpt/dspark-qwen3 --policy alg1
     python serve.py bench --url http://127.0.0.1:8000 --requests 1000
+    python serve.py export --run-dir runs/tiny --drafter dspark --out ckpt/dspark-tiny
 
 Speculative knobs are fixed per server at start-up: the drafter, the verification policy
 (default Algorithm 1, `alg1`, on DSpark's STS-calibrated confidences) and its cost profile (the
@@ -64,11 +65,19 @@ def add_subcommands(sub) -> None:
     b = sub.add_parser("bench", help="bounded load test of a server on 127.0.0.1")
     server_load.add_arguments(b)
 
+    e = sub.add_parser("export", help="a run's best drafter as a Hugging Face drafter checkpoint")
+    e.add_argument("--run-dir", required=True, help="a run directory written by train.py")
+    e.add_argument("--drafter", default="dspark", choices=DRAFTER_KINDS)
+    e.add_argument("--out", required=True, help="a new (or empty) directory to write")
+    e.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+
 
 def run(args) -> int:
     """Dispatch `serve` / `bench` (argparse namespace from `add_subcommands`)."""
     if args.cmd == "bench":
         return server_load.run_cli(args)
+    if args.cmd == "export":
+        return export(args)
     from dspark_jax.run.cli import report, user_errors
 
     # our start-up lines at --log-level; other libraries' (absl, orbax) at WARNING
@@ -109,7 +118,8 @@ def _load(args):
         where = run.cost_profile_path()
         return (tok, run.stop_ids(), tcfg, tparams, dcfg, dparams, run.sts(args.drafter),
                 cost, where, run.path.name)  # fmt: skip
-    from dspark_jax.drafters.hf import load_hf_drafter
+    from dspark_jax.drafters.compat import check_fits, vocab_hash
+    from dspark_jax.drafters.hf import load_hf_drafter, load_hf_drafter_extras
     from dspark_jax.models.hf import load_target
 
     if args.drafter in DRAFTER_KINDS:
@@ -118,18 +128,26 @@ def _load(args):
     tcfg, tparams = load_target(args.target)
     dcfg, dparams = load_hf_drafter(args.drafter, target=tcfg)
     name = Path(args.target).resolve().name
-    return (
-        tok,
-        special_token_ids(tok)["eos_ids"],
-        tcfg,
-        tparams,
-        dcfg,
-        dparams,
-        None,
-        None,
-        None,
-        name,
-    )
+    sts, trained_for = load_hf_drafter_extras(args.drafter)  # `serve.py export` records both
+    if trained_for is not None:  # the tokenizer too: same vocabulary as the drafter learnt
+        check_fits(tcfg, dcfg, trained_for=trained_for, name=name, vocab_hash=vocab_hash(tok))
+    if sts is not None:
+        log.info("STS calibration: %s (config.json confidence_temperatures)", args.drafter)
+    stop_ids = special_token_ids(tok)["eos_ids"]
+    return tok, stop_ids, tcfg, tparams, dcfg, dparams, sts, None, None, name
+
+
+def export(args) -> int:
+    """`serve.py export`: a run's best drafter as a Hugging Face drafter checkpoint."""
+    from dspark_jax.run.cli import report, user_errors
+    from dspark_jax.run.rundir import RunDir
+
+    try:
+        out = RunDir(args.run_dir).export_drafter(args.drafter, args.out)
+    except user_errors() as e:
+        return report(e, args.debug)
+    print(f"exported the {args.drafter} drafter of {args.run_dir} to {out}")
+    return 0
 
 
 def _cost_profile(args, run_cost, run_where, n_params: int, policy: str):

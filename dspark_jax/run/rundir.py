@@ -208,6 +208,22 @@ class RunDir:
     def has_drafter(self, kind: str) -> bool:
         return (self.drafter_dir(kind) / "best").is_dir()
 
+    def export_drafter(self, kind: str, out_dir) -> Path:
+        """Write drafter `kind`'s best checkpoint to `out_dir` (new or empty) as a Hugging Face
+        drafter checkpoint carrying the run's STS calibration (when calibrated) and the target it
+        was trained for (`drafters.hf.save_hf_drafter`); `serve.py serve --target --drafter`
+        loads it."""
+        from dspark_jax.drafters.compat import TargetId
+        from dspark_jax.drafters.hf import save_hf_drafter
+
+        out = Path(out_dir).expanduser().resolve()
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"{out} exists and is not an empty directory — choose a new --out")
+        dcfg, params = self.drafter(kind)
+        tid = TargetId.of(dcfg.target, name=self.target_name(), vocab_hash=self.vocab_hash())
+        save_hf_drafter(dcfg, params, out, sts=self.sts(kind), trained_for=tid)
+        return out
+
     # -- calibration and cost -----------------------------------------------------------------
 
     def sts(self, kind: str = "dspark"):
