@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import drafters
+from dspark_jax.models import generate as gen
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.generate import sample_tokens
 from dspark_jax.models.packed import packed_forward
@@ -122,10 +123,10 @@ def prefill_chunk(
         _take_slot_prefix(state.cache.v, slot, s_b),
         start[None],
     )
-    positions = (start + jnp.arange(c, dtype=jnp.int32))[None]
-    out, cache1 = tf.forward(tcfg, tparams, tokens_C[None], positions, cache1, compute_logits=False)
-    last_h = jax.lax.dynamic_slice_in_dim(out.hidden[0], n_valid - 1, 1, 0)  # [1, H]
-    logits = tf.build(tcfg, tparams).logits(last_h[None])[0]  # [1, V]
+    # the target's prefill is generate's, fed at the chunk's offset in the slot
+    logits, out, cache1 = gen.prefill(
+        tcfg, tparams, tokens_C[None], n_valid[None], cache1, start_B=start[None]
+    )  # logits [1, V]
     seed1 = seed[None]
     pos1 = (start + n_valid)[None]
     first = sample_tokens(logits, rng_lib.stream_key(key, rng_lib.SAMPLE), seed1, pos1, sp1, scfg)

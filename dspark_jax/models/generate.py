@@ -104,21 +104,29 @@ def prefill(
     tokens_BxP: jax.Array,
     lengths_B: jax.Array,
     cache: tf.KVCache,
+    start_B: jax.Array | None = None,
 ) -> tuple[jax.Array, tf.ForwardOut, tf.KVCache]:
-    """Write the K/V of right-padded prompts and return the last prompt token's logits.
+    """Write the K/V of right-padded prompts (or prompt chunks) and return the last prompt
+    token's logits.
 
-    Static: cfg, shapes. Arrays: params, tokens_BxP (right-padded), lengths_B (>= 1), cache.
-    Every row is fed at positions 0..P-1 from an empty slot; K/V written past a row's length are
-    padding that the row's next token overwrites before anything reads it (transformer contract).
-    Returns (logits_BxV fp32 at position lengths-1, ForwardOut without logits (features and hidden
-    [B, P, ...], padding included), cache committed to `lengths_B`).
+    Static: cfg, shapes. Arrays: params, tokens_BxP (right-padded), lengths_B (>= 1: valid
+    tokens per row), cache, start_B (None: 0; else each row's chunk starts at that position, its
+    earlier positions already in the cache — the serving engine's chunked prefill into a slot).
+    Row b is fed at positions start_b + [0, P); K/V written past its valid tokens are padding
+    that the row's next token overwrites before anything reads it (transformer contract).
+    Returns (logits_BxV fp32 at the last valid token, ForwardOut without logits (features and
+    hidden [B, P, ...], padding included), cache committed to start_B + lengths_B).
     """
     b, p = tokens_BxP.shape
     positions_BxP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    if start_B is not None:
+        positions_BxP = start_B[:, None] + positions_BxP
+        cache = cache.with_lengths(start_B)
     out, cache = tf.forward(cfg, params, tokens_BxP, positions_BxP, cache, compute_logits=False)
     last_BxH = out.hidden[jnp.arange(b), lengths_B - 1]
     logits_BxV = _lm_logits(cfg, params, last_BxH[:, None, :])[:, 0]
-    return logits_BxV, out, cache.with_lengths(lengths_B)
+    end_B = lengths_B if start_B is None else start_B + lengths_B
+    return logits_BxV, out, cache.with_lengths(end_B)
 
 
 def extend(
