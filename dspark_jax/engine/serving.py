@@ -1,5 +1,11 @@
 """ServingEngine: fixed slots, continuous batching, scheduled packed verification.
 
+One file (~650 lines) on purpose: one class whose phases (admit + prefill, schedule, run the
+round(s), commit) and thread-safe front end (submit / stream / start / shutdown) all read and
+write the same slot table, device state and lock under one invariant; the device programs are in
+`engine.device` / `engine.rounds`, request checks in `engine.slots`, policies in
+`engine.scheduling`.
+
     eng = ServingEngine(tcfg, dcfg, tparams, dparams, num_slots=8, max_len=1024, policy="alg1",
                         cost_profile=profile, sts=sts)
     eng.warmup()                                   # compiles every bucket; no retrace after

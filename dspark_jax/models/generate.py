@@ -1,5 +1,8 @@
 """Batched autoregressive generation with the target model over its static KV cache.
 
+One file (~470 lines) on purpose: prefill, extend, sampling and the decode loop are the target's
+decoding contract that the serving engine reuses (`prefill`, `sample_tokens`), read together.
+
     outs = generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=32)          # greedy
     outs = generate(cfg, params, prompts, max_new_tokens=32, seeds=[7, 8],
                     sampling=validate_sampling_params([0.7, 1.0], top_p=0.9))
