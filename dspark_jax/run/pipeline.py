@@ -2,6 +2,10 @@
 calibrate → evaluate (one `_stage_<name>` method each; the two longest bodies are in
 `run/regenerate_stage.py` and `run/evaluate_stage.py`). Caching, cache keys and the run
 directory's versions are `dspark_jax.run.staged.StagedRun`'s; loading is `RunDir`'s.
+
+Imports of eval/, engine/, models.hf (transformers) and orbax sit inside the functions that
+use them, on purpose: each costs 1.2-2.5 s to import on the 2-core machine (measured), and a
+CLI's config error or a cached stage should not pay for modules it never runs.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ stored as absolute paths in `config.json` by the pipeline.
     cost = run.cost_profile()                  # <run>/cost_profile.json (or None)
 
 Loaded objects are cached on the instance (a run directory is read once per process).
+
+Imports of eval/, engine/, models.hf (transformers) and orbax sit inside the functions that
+use them, on purpose: each costs 1.2-2.5 s to import on the 2-core machine (measured), and a
+CLI's config error or a cached stage should not pay for modules it never runs.
 """
 
 from __future__ import annotations
