@@ -240,14 +240,8 @@ def _exists(f: str, field: str) -> None:
 
 def validate_mesh(cfg: PipelineConfig, mesh) -> None:
     """The rules that need the device mesh, checked when the mesh is built (before the first
-    stage): the drafters' Trainer gives every data x fsdp shard whole sequences."""
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    t = cfg.drafters.train
-    for name in ("micro_batch_size", "eval_batch_size"):
-        b = getattr(t, name)
-        if b % shards:
-            raise ConfigError(
-                f"drafters.train.{name}={b} is not a multiple of the mesh's data x fsdp = "
-                f"{shards} (each device trains on whole sequences) — set it to a multiple of "
-                f"{shards} or change mesh.data / mesh.fsdp"
-            )
+    stage): the drafters' Trainer gives every data x fsdp shard whole sequences (the Trainer's
+    own check, with the field named as `--set` spells it)."""
+    from dspark_jax.train.steps import check_batch_shards
+
+    check_batch_shards(cfg.drafters.train, mesh, field_prefix="drafters.train.")

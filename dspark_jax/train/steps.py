@@ -356,16 +356,7 @@ def plan_data(cfg, mesh, train_data, eval_data) -> DataPlan:
                 "the evaluation set has no sequence with a supervised token; pass other "
                 "held-out data or eval_data=None"
             )
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    for name, b in (
-        ("micro_batch_size", cfg.micro_batch_size),
-        ("eval_batch_size", cfg.eval_batch_size),
-    ):
-        if b % shards:
-            raise ConfigError(
-                f"TrainConfig.{name}={b} must be a multiple of the mesh's data x fsdp = "
-                f"{shards} (each device gets whole sequences)"
-            )
+    check_batch_shards(cfg, mesh)
     if min(mesh.shape.values()) > 1 and jax.default_backend() == "cpu":
         log.warning(
             "mesh %s has data, fsdp and tensor all > 1: XLA on CPU (jax 0.10.2) computes "
@@ -374,6 +365,20 @@ def plan_data(cfg, mesh, train_data, eval_data) -> DataPlan:
             dict(mesh.shape),
         )
     return DataPlan(train_source, loader, eval_source, eval_plan)
+
+
+def check_batch_shards(cfg, mesh, field_prefix: str = "TrainConfig.") -> None:
+    """Every data x fsdp shard of a micro-batch and an eval batch holds whole sequences; the
+    error names the field as the caller's user spells it (`field_prefix`)."""
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    for name in ("micro_batch_size", "eval_batch_size"):
+        b = getattr(cfg, name)
+        if b % shards:
+            raise ConfigError(
+                f"{field_prefix}{name}={b} must be a multiple of the mesh's data x fsdp = "
+                f"{shards} (each device gets whole sequences) — set it to a multiple of "
+                f"{shards} or change the mesh's data / fsdp sizes"
+            )
 
 
 def abstract_batch(mesh, data: DataPlan, shape) -> dict[str, jax.ShapeDtypeStruct]:
