@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: load Qwen3 / Qwen2 / Llama safetensors into our params, save ours back.
 
-One file (~520 lines) on purpose: the config translation, the name map, the header checks and
-the load / save paths are one contract with the released format and change together.
+The weights live here; the `config.json` translation is `models.hf_config` and the tokenizer
+`models.hf_tokenizer` (both re-exported, so `from dspark_jax.models.hf import load_tokenizer` works).
 
     cfg, params = load_target("/ckpt/Qwen3-4B", dtype="bfloat16", mesh=mesh)
     tok = load_tokenizer("/ckpt/Qwen3-4B", cfg)
@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +39,19 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from dspark_jax.config import RopeScaling, TargetConfig, default_target_layer_ids
-from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.config import TargetConfig
+from dspark_jax.errors import CheckpointError
 from dspark_jax.io import atomic_path, write_text_atomic
+from dspark_jax.models.hf_config import (  # noqa: F401 (callers import them from here too)
+    config_from_hf,
+    hf_config_dict,
+    read_hf_config,
+)
+from dspark_jax.models.hf_tokenizer import (  # noqa: F401 (callers import them from here too)
+    check_tokenizer_fits,
+    load_tokenizer,
+    quiet_transformers,
+)
 from dspark_jax.models.transformer import Transformer
 
 SAFETENSORS = "model.safetensors"
@@ -51,9 +60,6 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 NP_DTYPE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-_HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
-_HF_ARCH = {v: k for k, v in _HF_CLASS.items()}
-_LAYER_IDS_KEY = "dspark_target_layer_ids"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -89,111 +95,6 @@ def expected_tensors(cfg: TargetConfig) -> dict[str, tuple[tuple, tuple[int, ...
 
 # ------------------------------------------------------------------------------------------------
 # reading: config, files, headers
-
-
-def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed `config.json` of a checkpoint directory (CheckpointError if absent/invalid)."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint directory {path!r} does not exist")
-    f = os.path.join(path, "config.json")
-    if not os.path.isfile(f):
-        raise CheckpointError(
-            f"missing file: no config.json in {path!r}; a Hugging Face checkpoint directory needs "
-            "config.json next to its safetensors"
-        )
-    try:
-        with open(f) as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{f} is not valid JSON: {e}") from e
-
-
-def config_from_hf(
-    hf: Mapping[str, Any],
-    *,
-    dtype: str = "float32",
-    target_layer_ids: tuple[int, ...] | None = None,
-) -> TargetConfig:
-    """The `TargetConfig` of a Hugging Face `config.json` dict (the project's only HF config
-    reader), refusing features our decoder does not implement (CheckpointError naming them).
-
-    transformers 5 keeps RoPE settings in `rope_parameters`; older files use `rope_theta` and
-    `rope_scaling` at the top level. Both are read. Feature layers: `target_layer_ids`, else the
-    ones `save_target_hf` recorded, else DFlash's rule (`config.default_target_layer_ids`).
-    """
-    hf = dict(hf)
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU MLP) is")
-    if hf.get("mlp_bias"):
-        raise CheckpointError("unsupported mlp_bias=true; our MLP has no biases")
-    mt = hf.get("model_type")
-    archs = hf.get("architectures") or []
-    if hf.get("attention_bias") and mt != "qwen2" and "Qwen2ForCausalLM" not in archs:
-        raise CheckpointError(
-            f"unsupported attention_bias=true for {archs or mt}; only Qwen2 has q/k/v biases"
-        )
-    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
-        raise CheckpointError("sliding-window attention layers are not supported")
-    if target_layer_ids is None and hf.get(_LAYER_IDS_KEY) is not None:
-        target_layer_ids = tuple(hf[_LAYER_IDS_KEY])
-    try:
-        return _target_config(hf, target_layer_ids, dtype)
-    except ConfigError as e:  # TargetConfig's own checks
-        raise CheckpointError(str(e)) from e
-    except KeyError as e:
-        raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from e
-
-
-def _target_config(hf: dict[str, Any], target_layer_ids, dtype: str) -> TargetConfig:
-    arch = None
-    for a in hf.get("architectures") or []:
-        arch = _HF_ARCH.get(a, arch)
-    if arch is None:
-        arch = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}.get(hf.get("model_type"))
-    if arch is None:
-        raise CheckpointError(
-            f"unsupported architecture {hf.get('architectures') or hf.get('model_type')!r}; "
-            f"supported: {sorted(_HF_ARCH)}"
-        )
-    rope = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rtype = rope.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")))
-    scaling = None
-    if rtype == "llama3":
-        src = rope if "factor" in rope else legacy
-        scaling = RopeScaling(
-            factor=float(src["factor"]),
-            low_freq_factor=float(src["low_freq_factor"]),
-            high_freq_factor=float(src["high_freq_factor"]),
-            original_max_position_embeddings=int(src["original_max_position_embeddings"]),
-        )
-    elif rtype not in ("default", None):
-        raise CheckpointError(f"unsupported rope_type {rtype!r}; supported: default, llama3")
-    n_layers = int(hf["num_hidden_layers"])
-    n_heads = int(hf["num_attention_heads"])
-    hidden = int(hf["hidden_size"])
-    if target_layer_ids is None:
-        target_layer_ids = default_target_layer_ids(n_layers)
-    return TargetConfig(
-        architecture=arch,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=n_layers,
-        num_heads=n_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=int(hf.get("head_dim") or hidden // n_heads),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        rope_scaling=scaling,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        target_layer_ids=tuple(target_layer_ids),
-        dtype=dtype,
-    )
 
 
 def weight_files(path: str) -> dict[str, str]:
@@ -361,115 +262,7 @@ def _normalize_index(index, ndim: int) -> tuple[slice, ...]:
 
 
 # ------------------------------------------------------------------------------------------------
-# tokenizer
-
-
-def quiet_transformers():
-    """`import transformers` without its advisory "PyTorch was not found" line: we only use its
-    tokenizers, never its models. Only that import is quieted; later warnings are untouched."""
-    import sys
-
-    if "transformers" not in sys.modules:
-        old = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
-        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
-        try:
-            import transformers  # noqa: F401
-        finally:
-            if old is None:
-                del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
-            else:
-                os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = old
-    return sys.modules["transformers"]
-
-
-def load_tokenizer(
-    path: str | os.PathLike,
-    cfg: TargetConfig | None = None,
-    *,
-    require_chat_template: bool = False,
-):
-    """`transformers.AutoTokenizer` from a directory, offline (no hub access): the one tokenizer
-    loader, for HF checkpoints and run directories (train/tokenizer.py's output) alike.
-
-    With `cfg`, checks that every token id the tokenizer can emit (`len(tokenizer)`, including
-    added special tokens) indexes a row of the model's embedding; a larger tokenizer raises
-    CheckpointError (a smaller one is normal: models pad their vocabulary). With
-    `require_chat_template`, a tokenizer without a chat template raises CheckpointError.
-    """
-    path = os.fspath(path)
-    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, n)) for n in names):
-        raise CheckpointError(
-            f"missing files: no tokenizer in {path!r} (expected one of {list(names)}); train one "
-            "with train.py --stages tokenizer (dspark_jax.train.tokenizer.train_tokenizer), point "
-            "to a Hugging Face model directory, or save one with tokenizer.save_pretrained(path)"
-        )
-    try:
-        tok = quiet_transformers().AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # transformers raises many types; report them as one
-        raise CheckpointError(f"could not load the tokenizer in {path!r}: {e}") from e
-    if require_chat_template and getattr(tok, "chat_template", None) is None:
-        raise CheckpointError(
-            f"the tokenizer in {path!r} has no chat template; add one to tokenizer_config.json "
-            "(chat_template) or chat_template.jinja"
-        )
-    if cfg is not None:
-        check_tokenizer_fits(tok, cfg)
-    return tok
-
-
-def check_tokenizer_fits(tokenizer, cfg: TargetConfig) -> None:
-    """CheckpointError if the tokenizer can emit ids >= the model's embedding rows."""
-    n = len(tokenizer)
-    if n > cfg.vocab_size:
-        raise CheckpointError(
-            f"tokenizer vocabulary ({n} tokens incl. added ones) is larger than the model's "
-            f"embedding rows (vocab_size={cfg.vocab_size}); ids >= {cfg.vocab_size} would index "
-            "past the embedding: use the tokenizer that belongs to this checkpoint"
-        )
-
-
-# ------------------------------------------------------------------------------------------------
 # saving
-
-
-def hf_config_dict(cfg: TargetConfig, dtype: str | None = None) -> dict[str, Any]:
-    """The Hugging Face `config.json` for `cfg` (transformers 5 layout, `rope_parameters`)."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        rope.update(
-            rope_type="llama3",
-            factor=s.factor,
-            low_freq_factor=s.low_freq_factor,
-            high_freq_factor=s.high_freq_factor,
-            original_max_position_embeddings=s.original_max_position_embeddings,
-        )
-    d: dict[str, Any] = {
-        "architectures": [_HF_CLASS[cfg.architecture]],
-        "model_type": cfg.architecture,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": rope,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": cfg.qkv_bias,
-        "attention_dropout": 0.0,
-        "dtype": dtype or cfg.dtype,
-        _LAYER_IDS_KEY: list(cfg.target_layer_ids),
-    }
-    if cfg.architecture == "llama":
-        d["mlp_bias"] = False
-    else:
-        d["use_sliding_window"] = False
-    return d
 
 
 def to_host(x) -> np.ndarray:
