@@ -1,9 +1,9 @@
 """ServingEngine: fixed slots, continuous batching, scheduled packed verification.
 
-One file (~650 lines) on purpose: one class whose phases (admit + prefill, schedule, run the
-round(s), commit) and thread-safe front end (submit / stream / start / shutdown) all read and
-write the same slot table, device state and lock under one invariant; the device programs are in
-`engine.device` / `engine.rounds`, request checks in `engine.slots`, policies in
+The round loop's phases (admit + prefill, schedule, run the round(s), commit) share the slot
+table, device state and lock, so they stay one class here (~540 lines); how the loop is driven
+(offline `generate`, the background thread, `shutdown`) is `engine.driving`; the device programs
+are `engine.device` / `engine.rounds`, request checks `engine.slots`, policies
 `engine.scheduling`.
 
     eng = ServingEngine(tcfg, dcfg, tparams, dparams, num_slots=8, max_len=1024, policy="alg1",
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 
 import jax
 import numpy as np
@@ -44,6 +43,7 @@ from dspark_jax.drafters.compat import check_fits
 from dspark_jax.engine import device as dev
 from dspark_jax.engine import rounds as rounds_lib
 from dspark_jax.engine.compiles import CompileTally
+from dspark_jax.engine.driving import EngineDriving
 from dspark_jax.engine.requests import (
     Delta,
     EngineMetrics,
@@ -56,30 +56,6 @@ from dspark_jax.engine.scheduling import Scheduler
 from dspark_jax.engine.slots import Request, SlotTable, validate_request
 from dspark_jax.errors import ConfigError, RequestError
 from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
-
-
-def _params_from_knobs(
-    n, *, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, stop_ids=()
-) -> list[RequestParams]:
-    def rows(name, v, kind):
-        a = np.asarray(v)
-        if a.ndim == 0:
-            return [kind(a)] * n
-        if a.shape != (n,):
-            raise RequestError(f"{name} must be a scalar or one per prompt ({n}), got {a.shape}")
-        return [kind(x) for x in a]
-
-    seeds = list(range(n)) if seeds is None else seeds
-    cols = zip(
-        rows("temperature", temperature, float),
-        rows("top_k", top_k, int),
-        rows("top_p", top_p, float),
-        rows("min_p", min_p, float),
-        rows("seeds", seeds, int),
-    )
-    stop = tuple(int(s) for s in stop_ids)
-    return [RequestParams(int(max_new_tokens), t, k, p, m, sd, stop) for t, k, p, m, sd in cols]
-
 
 # Compiled sampling modes, cheapest first: argmax; temperature only; top-k / top-p / min-p
 # filters (a sort over the vocabulary per row). A round runs in the cheapest mode that honours
@@ -97,7 +73,7 @@ def _buckets(values, top: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-class ServingEngine:
+class ServingEngine(EngineDriving):
     def __init__(
         self,
         tcfg,
@@ -537,96 +513,6 @@ class ServingEngine:
         d = Delta(r.id, new, True, reason, r.stats.copy())
         r.handle._push(d, out)
         return d
-
-    # ---- driving -----------------------------------------------------------------------------
-
-    def has_work(self) -> bool:
-        with self._lock:
-            return bool(self.slots.queue) or bool(self.slots.running())
-
-    def generate(self, prompts, params=None, **knobs) -> list[RequestOutput]:
-        """Offline convenience: submit all (one RequestParams or one per prompt), run, collect.
-
-        Also accepts keyword knobs instead of `params` (max_new_tokens, temperature, top_k,
-        top_p, min_p, seeds, stop_ids; scalar or one per prompt), as the evaluator passes them."""
-        if params is None:
-            params = _params_from_knobs(len(prompts), **knobs)
-        elif knobs:
-            raise TypeError("pass either params or keyword knobs, not both")
-        if isinstance(params, RequestParams):
-            params = [params] * len(prompts)
-        handles = []
-        for p, q in zip(prompts, params, strict=True):
-            while True:
-                try:
-                    handles.append(self.submit(p, q))
-                    break
-                except QueueFull:
-                    if not self._running_in_background():
-                        self.step()
-                    else:
-                        time.sleep(0.01)
-        return [h.result() for h in handles]
-
-    def _running_in_background(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _drive_until(self, done, deadline) -> None:
-        while not done():
-            if deadline is not None and time.monotonic() > deadline:
-                return
-            if not self.has_work():
-                return
-            self.step()
-
-    def start(self) -> None:
-        with self._lock:
-            if self._running_in_background():
-                return
-            self._stopping = False
-            self._thread = threading.Thread(target=self._loop, name="serving-engine", daemon=True)
-            self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopping and not self.has_work():
-                    self._work.wait()
-                if self._stopping and not self.has_work():
-                    return
-            try:
-                self.step()
-            except BaseException as e:  # noqa: BLE001 - fail requests, keep serving
-                self._error = e
-                self._fail_all(repr(e))
-
-    def _fail_all(self, why: str) -> None:
-        with self._lock:
-            for r in list(self.slots.queue) + self.slots.running():
-                if r.slot is None:
-                    self.slots.queue.remove(r)
-                self._finish(r, [], "error")
-
-    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop accepting requests; finish (drain) or cancel the others; stop the thread."""
-        with self._lock:
-            self._closed = True
-            if not drain:
-                for r in list(self.slots.queue):
-                    self.slots.queue.remove(r)
-                    self._finish(r, [], "cancelled")
-                for r in self.slots.running():
-                    r.cancel_requested = True
-            self._stopping = True
-            self._work.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        elif not drain:
-            self.step()
-        else:
-            self._drive_until(
-                lambda: False, None if timeout is None else time.monotonic() + timeout
-            )
 
     # ---- metrics -----------------------------------------------------------------------------
 
