@@ -148,6 +148,9 @@ class EvalStage:
     temperatures: tuple[float, ...] = (0.0,)
     # interleaved repetitions of the speed section's component timing (0 = no breakdown)
     speed_reps: int = 7
+    # the speed section's batch-1 decoder: one slot, up to this many device-resident rounds
+    # per host call (engine.rounds; 1 = the host schedules every round)
+    speed_rounds_per_call: int = 8
 
 
 @dataclasses.dataclass(frozen=True)

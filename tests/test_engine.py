@@ -143,6 +143,21 @@ def test_policy_outputs_are_checked(engine):
     engine.set_policy(FixedGamma(G))
 
 
+@pytest.mark.parametrize("rounds_per_call", [1, 4])
+def test_one_slot_engine_equals_plain_decoding(pair, refs, rounds_per_call):
+    """Batch-1 decoding (one slot: the packed forward reads the slot's cache without the
+    per-token gather), one round or several device-resident rounds per call."""
+    tcfg, tp, dcfg, dp = pair
+    eng = ServingEngine(
+        tcfg, dcfg, tp, dp, num_slots=1, max_len=96, prompt_buckets=(8, 16), token_buckets=(5,),
+        modes=("greedy",), rounds_per_call=rounds_per_call,
+    )  # fmt: skip
+    outs = eng.generate(PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)
+    for out, ref in zip(outs, refs):
+        assert out.tokens == ref
+    assert sum(map(len, refs)) / sum(o.stats.rounds for o in outs) > 2.5  # drafts accepted
+
+
 def test_queue_full(pair):
     tcfg, tp, dcfg, dp = pair
     eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=1, max_len=96, max_queue=2)

@@ -34,11 +34,12 @@ def test_breakdown_and_measured_speedup_time_only_compiled_code():
 
     dec = ServingEngine(
         tcfg, ds["dspark"][0], tp, ds["dspark"][1], num_slots=1, max_len=128,
-        prompt_buckets=(16, 32),
+        prompt_buckets=(16, 32), rounds_per_call=4,
     )  # fmt: skip
     m = speed.measured_speedup(
         dec, tcfg, tp, [prompt[:7], prompt], max_new_tokens=12, temperature=1.0
     )
     assert m["compilations_during_timing"] == 0 and m["speedup"] > 0
+    assert m["rounds_per_call"] == 4 and 1 <= m["tokens_per_round"] <= 5
     md = "\n".join(speed.markdown_speed(bd, m))
     assert "ideal speedup" in md and "compilations during timing: 0" in md

@@ -27,6 +27,7 @@ def _params_from_knobs(
 
     seeds = list(range(n)) if seeds is None else seeds
     cols = zip(
+        rows("max_new_tokens", max_new_tokens, int),
         rows("temperature", temperature, float),
         rows("top_k", top_k, int),
         rows("top_p", top_p, float),
@@ -34,7 +35,7 @@ def _params_from_knobs(
         rows("seeds", seeds, int),
     )
     stop = tuple(int(s) for s in stop_ids)
-    return [RequestParams(int(max_new_tokens), t, k, p, m, sd, stop) for t, k, p, m, sd in cols]
+    return [RequestParams(n_new, t, k, p, m, sd, stop) for n_new, t, k, p, m, sd in cols]
 
 
 class EngineDriving:

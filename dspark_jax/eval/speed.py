@@ -263,9 +263,9 @@ def add_ideal(breakdown: dict, tau: dict[str, float]) -> dict:
 def measured_speedup(
     decoder, tcfg, tparams, prompts, *, max_new_tokens: int, temperature: float, stop_ids=()
 ) -> dict:
-    """Tokens/s of speculative (`decoder.generate`) vs plain `generate()` at batch 1, each
-    prompt warmed on both paths first (every bucket compiled); the timed passes alternate the
-    two per prompt; compilations during them are counted."""
+    """Tokens/s of speculative (`decoder.generate`, a 1-slot engine for batch 1) vs plain
+    `generate()` at batch 1, each prompt warmed on both paths first (every bucket compiled); the
+    timed passes alternate the two per prompt; compilations during them are counted."""
     sampling = None if temperature == 0 else {"temperature": temperature}
     prompts = [[int(x) for x in p] for p in prompts]
 
@@ -273,15 +273,20 @@ def measured_speedup(
         return generate(tcfg, tparams, [p], max_new_tokens=max_new_tokens, sampling=sampling,
                         stop_ids=stop_ids, seeds=[seed])[0]  # fmt: skip
 
+    rounds = [0]
+
     def sd(p, seed):
-        return decoder.generate([p], max_new_tokens=max_new_tokens, temperature=temperature,
-                                seeds=[seed], stop_ids=stop_ids)[0].tokens  # fmt: skip
+        out = decoder.generate([p], max_new_tokens=max_new_tokens, temperature=temperature,
+                               seeds=[seed], stop_ids=stop_ids)[0]  # fmt: skip
+        rounds[0] += out.stats.rounds
+        return out.tokens
 
     for i, p in enumerate(prompts):
         ar(p, i)
         sd(p, i)
     tok = {"autoregressive": 0, "speculative": 0}
     secs = {"autoregressive": 0.0, "speculative": 0.0}
+    rounds[0] = 0
     with CompileCounter() as cc:
         for i, p in enumerate(prompts):
             for name, fn in (("autoregressive", ar), ("speculative", sd)):
@@ -290,6 +295,12 @@ def measured_speedup(
                 secs[name] += time.perf_counter() - t0
     res = {f"{k}_tokens_per_s": tok[k] / max(secs[k], 1e-9) for k in tok}
     res["speedup"] = res["speculative_tokens_per_s"] / res["autoregressive_tokens_per_s"]
+    # per round end to end (prefill included): the tokens a round emits and what it costs
+    res["tokens_per_round"] = tok["speculative"] / max(rounds[0], 1)
+    res["ms_per_round"] = secs["speculative"] * 1e3 / max(rounds[0], 1)
+    res["ms_per_plain_token"] = secs["autoregressive"] * 1e3 / max(tok["autoregressive"], 1)
+    res["slots"] = decoder.num_slots
+    res["rounds_per_call"] = decoder.rounds_per_call
     res["prompts"] = len(prompts)
     res["compilations_during_timing"] = cc.count
     return res
@@ -302,7 +313,11 @@ def markdown_speed(bd: dict | None, measured: dict | None) -> list[str]:
             f"Measured end to end ({measured['prompts']} prompts): speculative "
             f"{measured['speculative_tokens_per_s']:.1f} tok/s vs plain "
             f"{measured['autoregressive_tokens_per_s']:.1f} tok/s = **{measured['speedup']:.2f}×**; "
-            f"compilations during timing: {measured['compilations_during_timing']}."
+            f"compilations during timing: {measured['compilations_during_timing']}. One slot, up to "
+            f"{measured['rounds_per_call']} device-resident rounds per host call: "
+            f"{measured['tokens_per_round']:.2f} tokens per round at "
+            f"{measured['ms_per_round']:.2f} ms per round vs {measured['ms_per_plain_token']:.2f} ms "
+            "per plain token (prefill included in both)."
         )
         lines.append("")
     if not bd:

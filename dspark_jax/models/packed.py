@@ -12,7 +12,8 @@ Attention: each token writes its K/V to `cache[slot, :, pos]`, then reads its ow
 indices `<= pos` (`transformer.py`'s cache contract: the slot's committed prefix plus the tokens
 of this call at smaller positions, which the same layer wrote just before). Reads are bounded by
 the static `cache_len` (a cache-length bucket >= every valid token's position + 1), so attention
-costs `T x cache_len`, not `T x max_len`.
+costs `T x cache_len`, not `T x max_len`. With one slot (batch-1 decoding) the tokens attend to
+it directly, without the per-token gather of its cache (`T` copies of `cache_len` keys).
 
 This composes `transformer.py`'s modules and `layers.attend` (same parameters, same RMSNorm /
 RoPE / GQA code), so a packed forward equals the batched one up to float reassociation.
@@ -53,6 +54,7 @@ def packed_forward(
     slot_row = slot_T[None, :]
     key_idx = jnp.arange(cache_len, dtype=jnp.int32)
     mask = (key_idx[None, :] <= pos_T[:, None])[None, :, None, :]  # [1, T, 1, S_b]
+    one_slot = cache.k[0].shape[0] == 1
     feats, new_k, new_v = {}, [], []
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
@@ -60,9 +62,12 @@ def packed_forward(
         ck, cv = cache.k[i], cache.v[i]  # [N, K, S, d]
         ck = ck.at[slot_row, heads, write].set(k[0].astype(ck.dtype), mode="drop")
         cv = cv.at[slot_row, heads, write].set(v[0].astype(cv.dtype), mode="drop")
-        kg = ck[:, :, :cache_len][slot_T][None]  # [1, T, K, S_b, d]: token t's own slot
-        vg = cv[:, :, :cache_len][slot_T][None]
-        a = attend(q, [(kg, vg, mask)])  # [1, T, n*d]; T groups of one query
+        if one_slot:  # every token reads slot 0: no per-token copy of the cache
+            a = attend(q, [(ck[:, :, :cache_len], cv[:, :, :cache_len], mask[:, :, 0])])
+        else:
+            kg = ck[:, :, :cache_len][slot_T][None]  # [1, T, K, S_b, d]: token t's own slot
+            vg = cv[:, :, :cache_len][slot_T][None]
+            a = attend(q, [(kg, vg, mask)])  # [1, T, n*d]; T groups of one query
         x = x + attn.o_proj(a)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         new_k.append(ck)

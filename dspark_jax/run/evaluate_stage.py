@@ -79,8 +79,13 @@ def run_evaluate(p) -> dict:
         if e.speed_reps:
             breakdown = _speed_breakdown(p, first.prompts[0], table)
         p.log("  speed: plain vs speculative decoding at batch 1 (every bucket warmed)")
+        sprompts = first.prompts[: e.speed_prompts]
+        batch1 = p.rundir.decoder_for(
+            kind, [len(q) for q in sprompts], e.max_new_tokens, e.max_len, num_slots=1,
+            rounds_per_call=e.speed_rounds_per_call,
+        )  # fmt: skip
         speed = evspeed.measured_speedup(
-            decoders[kind], tcfg, tparams, first.prompts[: e.speed_prompts],
+            batch1, tcfg, tparams, sprompts,
             max_new_tokens=e.max_new_tokens, temperature=e.temperature, stop_ids=stop,
         )  # fmt: skip
         speed = {"drafter": kind, **speed}

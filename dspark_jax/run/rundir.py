@@ -262,10 +262,13 @@ class RunDir:
         ctx = min(cap, ctx) if cap else ctx
         return ctx - max_new_tokens - self.config.drafters.block_size - 2
 
-    def decoder(self, kind: str, max_len: int | None = None, length_buckets=None):
+    def decoder(
+        self, kind: str, max_len: int | None = None, length_buckets=None, *, num_slots=0,
+        rounds_per_call=1,
+    ):  # fmt: skip
         """A `ServingEngine` of the target and drafter `kind` (`max_len` defaults to
-        `evaluate.max_len`, 0 = the target's context), `evaluate.batch_size` slots, fixed γ
-        (switch with `engine.set_policy`)."""
+        `evaluate.max_len`, 0 = the target's context), `num_slots` slots (0 =
+        `evaluate.batch_size`), fixed γ (switch with `engine.set_policy`)."""
         from dspark_jax.engine import ServingEngine
 
         max_len = max_len or self.config.evaluate.max_len or self.context_len()
@@ -275,13 +278,16 @@ class RunDir:
             tuple(b for b in LENGTH_BUCKETS if b < max_len) or (max_len // 2,)
         )
         return ServingEngine(
-            tcfg, dcfg, tparams, dparams, num_slots=max(1, self.config.evaluate.batch_size),
-            max_len=max_len, prompt_buckets=tuple(buckets), policy="fixed", mesh=self.mesh,
+            tcfg, dcfg, tparams, dparams,
+            num_slots=num_slots or max(1, self.config.evaluate.batch_size), max_len=max_len,
+            prompt_buckets=tuple(buckets), policy="fixed", mesh=self.mesh,
+            rounds_per_call=rounds_per_call,
         )  # fmt: skip
 
-    def decoder_for(self, kind: str, prompt_lens, max_new_tokens: int, cap: int = 0):
+    def decoder_for(self, kind: str, prompt_lens, max_new_tokens: int, cap: int = 0, **engine):
         """A decoder sized for these prompts: prompt buckets up to the longest prompt (at most the
-        target's context minus the generation budget), cache just long enough."""
+        target's context minus the generation budget), cache just long enough (`engine`:
+        `decoder`'s num_slots / rounds_per_call)."""
         from dspark_jax.errors import RequestError
 
         limit = self.prompt_limit(max_new_tokens, cap)
@@ -295,4 +301,4 @@ class RunDir:
         top = min(next((b for b in LENGTH_BUCKETS if b >= longest), limit), limit)
         buckets = tuple(b for b in LENGTH_BUCKETS if b < top) + (top,)
         extra = max_new_tokens + self.config.drafters.block_size + 2
-        return self.decoder(kind, max_len=top + extra, length_buckets=buckets)
+        return self.decoder(kind, max_len=top + extra, length_buckets=buckets, **engine)

@@ -51,6 +51,7 @@ _RANGES: dict[str, tuple] = {
     "evaluate.temperature": (0, None, True, True),
     "evaluate.batch_size": (1, None, True, True),
     "evaluate.max_len": (0, None, True, True),
+    "evaluate.speed_rounds_per_call": (1, None, True, True),
     "drafters.train.anchor_chunk": (-1, None, True, True),  # -1 = all anchors at once
     "mesh.data": (-1, None, True, True),  # -1 = the devices left after fsdp x tensor
     "mesh.fsdp": (1, None, True, True),
