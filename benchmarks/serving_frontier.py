@@ -8,7 +8,8 @@ client threads each submit a request, wait for it and submit the next, for
 latency), aggregate tokens/s (all tokens / wall time), mean accepted length τ and draft tokens
 verified per round (from the engine's metrics).
 
-    python benchmarks/serving_frontier.py --run-dir runs/tiny          # the demo's models
+    python benchmarks/serving_frontier.py --run-dir runs/tiny --temperature 1 --prompt-len 96
+                                       # the demo's models and held-out prompts, sampled
     python benchmarks/serving_frontier.py --synthetic                  # smoke run, test models
 
 Prints one JSON object with a `summary` (alg1_over_fixed_envelope_min,
@@ -50,6 +51,27 @@ def load_models(args):
     return tcfg, tp, dcfg, dp, run.sts("dspark"), cost
 
 
+def run_prompts(run_dir: str, max_tokens: int) -> list[list[int]]:
+    """The run's held-out prompts (corpus/heldout_*.jsonl, first turn, chat template applied)
+    of at most `max_tokens` tokens, domains interleaved."""
+    import pathlib
+
+    from dspark_jax.run.rundir import RunDir
+    from dspark_jax.train.data_templates import encode_prompt
+
+    tok = RunDir(run_dir).tokenizer()
+    per_domain = []
+    for f in sorted((pathlib.Path(run_dir) / "corpus").glob("heldout_*.jsonl")):
+        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        ids = [encode_prompt(tok, r["turns"][0]).tolist() for r in rows]
+        per_domain.append([p for p in ids if len(p) <= max_tokens])
+    out = [p for group in zip(*per_domain) for p in group]
+    if len(out) < 8:
+        sys.exit(f"error: only {len(out)} held-out prompts of <= {max_tokens} tokens in "
+                 f"{run_dir}/corpus — raise --prompt-len")  # fmt: skip
+    return out
+
+
 def policies(gamma: int, threshold: float):
     out = {"mtp1": ("mtp1", {})}
     for g in (3, 7):
@@ -63,7 +85,9 @@ def policies(gamma: int, threshold: float):
     return out
 
 
-def closed_loop(eng, prompts, c: int, per_client: int, max_new: int, seed0: int) -> dict:
+def closed_loop(
+    eng, prompts, c: int, per_client: int, max_new: int, seed0: int, temperature: float = 0.0
+) -> dict:
     lat, toks = [], []
     lock = threading.Lock()
 
@@ -71,7 +95,7 @@ def closed_loop(eng, prompts, c: int, per_client: int, max_new: int, seed0: int)
         for k in range(per_client):
             p = prompts[(i * per_client + k) % len(prompts)]
             t0 = time.perf_counter()
-            h = eng.submit(p, RequestParams(max_new, temperature=0.0, seed=seed0 + i))
+            h = eng.submit(p, RequestParams(max_new, temperature=temperature, seed=seed0 + i))
             out = h.result(timeout=600)
             dt = time.perf_counter() - t0
             with lock:
@@ -204,6 +228,9 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy; the demo evaluates at 1"
+    )
     ap.add_argument("--policies", nargs="*", default=None)
     ap.add_argument("--out", default="benchmarks/results/serving_frontier.json")
     args = ap.parse_args(argv)
@@ -213,7 +240,7 @@ def main(argv=None):
     max_len = args.prompt_len + args.max_new_tokens + dcfg.block_size + 8
     eng = ServingEngine(
         tcfg, dcfg, tp, dp, num_slots=n, max_len=max_len, prompt_buckets=(args.prompt_len,),
-        modes=("greedy",), policy="fixed", sts=sts,
+        modes=("greedy" if args.temperature == 0 else "sampled",), policy="fixed", sts=sts,
     )  # fmt: skip
     if cost is None:
         sys.path.insert(0, os.path.dirname(__file__))
@@ -226,7 +253,11 @@ def main(argv=None):
     eng.warmup()
     warm = eng.compilations
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, tcfg.vocab_size - 1, args.prompt_len).tolist() for _ in range(64)]
+    if args.run_dir:  # the demo's own held-out prompts (code, prose, math)
+        prompts = run_prompts(args.run_dir, args.prompt_len)
+    else:
+        prompts = [rng.integers(0, tcfg.vocab_size - 1, args.prompt_len).tolist()
+                   for _ in range(64)]  # fmt: skip
     eng.start()
     table = {
         k: v for k, v in policies(eng.gamma, args.threshold).items()
@@ -244,7 +275,8 @@ def main(argv=None):
                 pol, kw = table[name]
                 eng.set_policy(pol, cost_profile=cost, sts=sts, **kw)
                 reps[name].append(closed_loop(
-                    eng, prompts, c, args.rounds_per_client, args.max_new_tokens, 1000 * c
+                    eng, prompts, c, args.rounds_per_client, args.max_new_tokens, 1000 * c,
+                    args.temperature,
                 ))  # fmt: skip
         for name in names:  # the repeat with the median aggregate throughput
             pts = sorted(reps[name], key=lambda p: p["aggregate_tokens_per_s"])

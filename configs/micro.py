@@ -53,6 +53,7 @@ def config():
                 seq_buckets=(128,),
                 eval_interval=3,
                 checkpoint_interval=3,
+                feature_mode="offline",  # the target's features computed once, shared
             ),
         ),  # fmt: skip
         calibrate=CalibrateStage(max_prompts=6, max_new_tokens=24),

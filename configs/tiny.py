@@ -70,6 +70,9 @@ def config() -> PipelineConfig:
                 learning_rate=3e-3,
                 eval_interval=100,
                 checkpoint_interval=100,
+                # the target's features computed once and shared by the three drafters (the
+                # target's forward is most of an online step: 16 layers vs 1)
+                feature_mode="offline",
             ),
         ),
         calibrate=CalibrateStage(max_prompts=48, max_new_tokens=96),

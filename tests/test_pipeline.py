@@ -44,6 +44,7 @@ def _check_report(run_dir: Path, kinds=("dspark", "dflash", "eagle3")):
     assert "dspark_vs_dflash" in rep["relative_macro_gain"]
     assert rep["calibration"] is not None and len(rep["calibration"]["per_position"]) >= 1
     assert rep["speed_batch1"]["speedup"] > 0
+    assert rep["speed_batch1"]["slots"] == 1 and rep["speed_batch1"]["rounds_per_call"] == 8
     assert (run_dir / "evaluate" / "report.md").read_text().startswith("# dspark-jax evaluation")
     assert (run_dir / "evaluate" / "tau.png").stat().st_size > 1000
     return rep
@@ -57,6 +58,8 @@ def test_micro_pipeline_end_to_end_and_resume(tmp_path):
     _check_report(run_dir)
     mtimes = {p: p.stat().st_mtime for p in run_dir.rglob("done.json")}
     assert len(mtimes) == 7
+    # the preset's drafters read one shared offline feature cache, not kept with their output
+    assert "shared by the drafters" in out and not (run_dir / "drafters" / "features").exists()
     out2 = _run(["--config", "configs/micro.py", "--run-dir", str(run_dir)])
     expected = (
         "corpus: cached, tokenizer: cached, target: cached, regenerate: cached, "

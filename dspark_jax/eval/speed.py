@@ -324,7 +324,9 @@ def markdown_speed(bd: dict | None, measured: dict | None) -> list[str]:
         return lines
     lines.append(
         f"Plain decode step: {bd['step_ms']:.2f} ms (compilations during the component timing: "
-        f"{bd['compilations_during_timing']})."
+        f"{bd['compilations_during_timing']}). The breakdown is of one host-scheduled round "
+        "(`ServingEngine.step()`, one round per call); the end-to-end number above runs several "
+        "rounds per call on the device."
     )
     lines.append("")
     lines.append("| drafter | propose | verify forward | commit | host | round | round / step | "

@@ -11,6 +11,8 @@ CLI's config error or a cached stage should not pay for modules it never runs.
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from pathlib import Path
 
 import jax
@@ -247,6 +249,9 @@ class Pipeline(StagedRun):
         self.log(f"  {stats.summary()}")
         n_eval = max(d.train.global_batch_size, len(samples) // d.eval_one_in)
         eval_s, train_s = samples[:n_eval], samples[n_eval:]
+        feature_dir = self.stage_dir("drafters") / "features"
+        if d.train.feature_mode == "offline":  # one target pass shared by every drafter
+            train_s, eval_s = self._feature_caches(feature_dir, tcfg, tparams, train_s, eval_s)
         info = {}
         for kind in d.kinds:
             dcfg = self.rundir.drafter_config(kind, tcfg)
@@ -272,7 +277,28 @@ class Pipeline(StagedRun):
                     "drafters.train.total_steps"
                 )
             info[kind] = {"best_step": best_step, "best_sim_tau": best_score}
+        if feature_dir.is_dir():  # derived data (one target pass to rebuild), not an output
+            shutil.rmtree(feature_dir)
         return info
+
+    def _feature_caches(self, out, tcfg, tparams, train_s, eval_s):
+        """The target's features of the training and held-out samples, computed once
+        (`train.features`, in the target's training dtype; resumed after an interruption)
+        and read by every drafter's Trainer instead of running the target in each step."""
+        from dspark_jax.train.features import write_feature_cache
+        from dspark_jax.train.memory import resolve_dtypes
+
+        t = resolve_dtypes(self.cfg.drafters.train)
+        t0 = time.perf_counter()
+        kw = dict(buckets=t.seq_buckets, batch_size=t.micro_batch_size, dtype=t.target_dtype)
+        readers = [
+            write_feature_cache(out / name, tcfg, tparams, samples, progress=True, **kw)
+            for name, samples in (("train", train_s), ("eval", eval_s))
+        ]
+        mb = sum(f.stat().st_size for f in out.rglob("*.npy")) / 2**20
+        self.log(f"  target features of {len(train_s) + len(eval_s)} samples: {mb:.0f} MiB in "
+                 f"{time.perf_counter() - t0:.0f} s, shared by the drafters")  # fmt: skip
+        return readers[0], readers[1]
 
     def _stage_calibrate(self):
         from dspark_jax.eval.offline import EvalDataset, calibration_pairs, run_dataset

@@ -264,11 +264,12 @@ class RunDir:
 
     def decoder(
         self, kind: str, max_len: int | None = None, length_buckets=None, *, num_slots=0,
-        rounds_per_call=1,
+        rounds_per_call=1, token_buckets=None,
     ):  # fmt: skip
         """A `ServingEngine` of the target and drafter `kind` (`max_len` defaults to
         `evaluate.max_len`, 0 = the target's context), `num_slots` slots (0 =
-        `evaluate.batch_size`), fixed γ (switch with `engine.set_policy`)."""
+        `evaluate.batch_size`), fixed γ (switch with `engine.set_policy`); `rounds_per_call` and
+        `token_buckets` are the engine's (default: powers of two up to slots x (γ + 1))."""
         from dspark_jax.engine import ServingEngine
 
         max_len = max_len or self.config.evaluate.max_len or self.context_len()
@@ -281,13 +282,13 @@ class RunDir:
             tcfg, dcfg, tparams, dparams,
             num_slots=num_slots or max(1, self.config.evaluate.batch_size), max_len=max_len,
             prompt_buckets=tuple(buckets), policy="fixed", mesh=self.mesh,
-            rounds_per_call=rounds_per_call,
+            rounds_per_call=rounds_per_call, token_buckets=token_buckets,
         )  # fmt: skip
 
     def decoder_for(self, kind: str, prompt_lens, max_new_tokens: int, cap: int = 0, **engine):
         """A decoder sized for these prompts: prompt buckets up to the longest prompt (at most the
         target's context minus the generation budget), cache just long enough (`engine`:
-        `decoder`'s num_slots / rounds_per_call)."""
+        `decoder`'s num_slots / rounds_per_call / token_buckets)."""
         from dspark_jax.errors import RequestError
 
         limit = self.prompt_limit(max_new_tokens, cap)

@@ -242,7 +242,15 @@ def _exists(f: str, field: str) -> None:
 def validate_mesh(cfg: PipelineConfig, mesh) -> None:
     """The rules that need the device mesh, checked when the mesh is built (before the first
     stage): the drafters' Trainer gives every data x fsdp shard whole sequences (the Trainer's
-    own check, with the field named as `--set` spells it)."""
+    own check, with the field named as `--set` spells it); an offline feature cache is built by
+    one process."""
+    import jax
+
     from dspark_jax.train.steps import check_batch_shards
 
     check_batch_shards(cfg.drafters.train, mesh, field_prefix="drafters.train.")
+    if cfg.drafters.train.feature_mode == "offline" and jax.process_count() > 1:
+        raise ConfigError(
+            "drafters.train.feature_mode='offline' builds its feature cache in one process; "
+            "use --set drafters.train.feature_mode=online for a multi-process run"
+        )
