@@ -26,18 +26,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dspark_jax import drafters
-from dspark_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
-from dspark_jax.engine import RequestParams, ServingEngine
-from dspark_jax.engine import device as dev
-from dspark_jax.models import transformer as tf
-from dspark_jax.models.generate import generate
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dspark_jax import drafters  # noqa: E402
+from dspark_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids  # noqa: E402
+from dspark_jax.engine import RequestParams, ServingEngine  # noqa: E402
+from dspark_jax.engine import device as dev  # noqa: E402
+from dspark_jax.models import transformer as tf  # noqa: E402
+from dspark_jax.models.generate import generate  # noqa: E402
 
 PROMPT, SHORT, LONG, MAX_LEN = 64, 48, 176, 512
 TAUS = (2.5, 3.34, 4.0)
