@@ -8,6 +8,7 @@ temperatures, no speed section).
 
     python configs/sweeps.py                 # every point, then runs/sweeps/summary.{json,md}
     python configs/sweeps.py --only depth    # or: --only gamma
+    python configs/sweeps.py --run-dir /data/runs/tiny   # a demo run directory elsewhere
     python train.py --config configs/sweeps.py --set drafters.num_layers=2   # one point by hand
 
 Points:
@@ -67,17 +68,25 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="depth and γ sweeps on the demo's target")
     ap.add_argument("--only", choices=sorted(POINTS), default=None)
     ap.add_argument("--out", default=str(ROOT / "runs" / "sweeps"))
+    ap.add_argument("--run-dir", default=tiny_config().run_dir, help="the demo's run directory")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    run = Path(tiny_config().run_dir)
+    run = Path(args.run_dir)
     run = run if run.is_absolute() else ROOT / run
     summary = {}
     for sweep, points in POINTS.items():
         if args.only and sweep != args.only:
             continue
         for name, sets in points:
-            cmd = [sys.executable, str(ROOT / "train.py"), "--config", __file__]
+            cmd = [
+                sys.executable,
+                str(ROOT / "train.py"),
+                "--config",
+                __file__,
+                "--run-dir",
+                str(run),
+            ]
             for s in sets:
                 cmd += ["--set", s]
             print(f"[sweeps] {sweep}/{name}: {' '.join(sets)}", flush=True)
