@@ -16,11 +16,9 @@ Points:
   gamma  DSpark and DFlash with block_size 3 / 7 / 11 / 15 (draft length 4 / 8 / 12 / 16), at the
          demo's backbone depth (1 layer; the paper uses 5)
 
-Time (estimate, not measured end to end): a point costs the demo's drafters stage per drafter
-scaled by depth and γ, plus calibrate and evaluate. From the demo's stage shares, about 2.5 min
-per 1-layer drafter at γ = 7 on 2 idle cores: depth ≈ 4 points (1L, 2L, 5L, DFlash-5L) ≈ 20 min,
-gamma ≈ 4 points x 2 drafters ≈ 25 min; about 45 min in all (upper bound on a shared CPU). The
-target and regeneration are never redone (`--stages` is not needed: their keys do not change).
+Time (measured on 2 idle cores, README "Demo proportions"): depth 24.5 min (1L, 2L, 5L,
+DFlash-5L), gamma 31 min (4 points x 2 drafters); about 56 min in all. The target and
+regeneration are never redone (`--stages` is not needed: their keys do not change).
 """
 
 from __future__ import annotations
