@@ -1,7 +1,8 @@
 """ServingEngine: fixed slots, continuous batching, scheduled packed verification.
 
-The round loop's phases (admit + prefill, schedule, run the round(s), commit) share the slot
-table, device state and lock, so they stay one class here (~540 lines); how the loop is driven
+The round loop's phases (admit + prefill, schedule, run the round(s)) share the slot table,
+device state and lock, so they stay one class here; the host bookkeeping of a round's outputs
+(stop ids, max_new_tokens, records, metrics) is `engine.commit`; how the loop is driven
 (offline `generate`, the background thread, `shutdown`) is `engine.driving`; the device programs
 are `engine.device` / `engine.rounds`, request checks `engine.slots`, policies
 `engine.scheduling`.
@@ -42,14 +43,13 @@ from dspark_jax.buckets import ENGINE_PROMPT_BUCKETS, bucket_up
 from dspark_jax.drafters.compat import check_fits
 from dspark_jax.engine import device as dev
 from dspark_jax.engine import rounds as rounds_lib
+from dspark_jax.engine.commit import EngineCommit
 from dspark_jax.engine.compiles import CompileTally
 from dspark_jax.engine.driving import EngineDriving
 from dspark_jax.engine.requests import (
     Delta,
-    EngineMetrics,
     QueueFull,
     RequestHandle,
-    RequestOutput,
     RequestParams,
 )
 from dspark_jax.engine.scheduling import Scheduler
@@ -73,7 +73,7 @@ def _buckets(values, top: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-class ServingEngine(EngineDriving):
+class ServingEngine(EngineDriving, EngineCommit):
     def __init__(
         self,
         tcfg,
@@ -434,105 +434,3 @@ class ServingEngine(EngineDriving):
             self.rounds_per_call, self.tparams, self.dparams, self.state, active, seeds, sp,
             self.key, room, stop, gamma_p, use_thr, cuts, np.int32(n_rounds),
         )  # fmt: skip
-
-    def _commit_rounds(self, running, lens, emitted, acc, conf) -> list[Delta]:
-        """Host bookkeeping of k rounds' outputs ([k, N, ...], read in one device_get)."""
-        g = self.gamma
-        deltas = []
-        with self._lock:
-            for k in range(lens.shape[0]):
-                total = int(sum(int(lens[k, r.slot]) for r in running))
-                self._m["rounds"] += 1
-                self._m["draft_tokens"] += g * len(running)
-                self._m["verified_tokens"] += total
-                self._verified_hist[total] += 1
-                for r in running:
-                    if r.done:  # finished in an earlier round of this call (cannot happen:
-                        continue  # the device loop ends after the round a request finishes)
-                    a = int(acc[k, r.slot])
-                    raw_conf = self.slots.conf[r.slot].copy()
-                    self.slots.conf[r.slot] = conf[k, r.slot]
-                    new = [int(x) for x in emitted[k, r.slot, : a + 1]]
-                    r.pos += a + 1
-                    nl = int(lens[k, r.slot])
-                    deltas.append(self._commit_round(r, new, a, nl, raw_conf))
-        return deltas
-
-    def _commit_round(self, r: Request, new, a: int, nl: int, raw_conf) -> Delta:
-        stop = r.stop_set
-        eos = False
-        reason = None
-        for j, tok in enumerate(new):
-            if tok in stop:
-                reason = "stop"
-                if j < a:  # an accepted stop draft ends the round without a bonus token
-                    a, nl, eos = j + 1, j + 1, True
-                new = new[: j + 1]
-                break
-        st = r.stats
-        st.rounds += 1
-        st.drafted += self.gamma
-        st.verified += nl
-        st.accepted += a
-        st.emitted += a if eos else a + 1
-        self._m["accepted_tokens"] += a
-        self._acc_pos[:a] += 1
-        r.num_accepted.append(a)
-        r.proposed.append(nl)
-        r.eos.append(eos)
-        if self.dcfg.kind == "dspark":
-            r.conf_logits.append(raw_conf)
-        return self._emit(r, new, reason)
-
-    def _emit(self, r: Request, new: list[int], reason: str | None) -> Delta:
-        room = r.params.max_new_tokens - len(r.tokens)
-        if reason is None and new and new[-1] in r.stop_set:
-            reason = "stop"
-        if len(new) > room:
-            new, reason = new[:room], "length"
-        elif len(new) == room and reason is None:
-            reason = "length"
-        if reason is None:
-            r.tokens.extend(new)
-            self._m["generation_tokens"] += len(new)
-            d = Delta(r.id, new, False, None, r.stats.copy())
-            r.handle._push(d)
-            return d
-        return self._finish(r, new, reason)
-
-    def _finish(self, r: Request, new: list[int], reason: str) -> Delta:
-        r.tokens.extend(new)
-        self._m["generation_tokens"] += len(new)
-        r.done = True
-        self.slots.release(r)
-        self._finished_by_reason[reason] = self._finished_by_reason.get(reason, 0) + 1
-        out = RequestOutput(
-            r.id, len(r.prompt), list(r.tokens), reason, r.stats.copy(),
-            list(r.num_accepted), list(r.proposed), list(r.eos), list(r.conf_logits),
-        )  # fmt: skip
-        d = Delta(r.id, new, True, reason, r.stats.copy())
-        r.handle._push(d, out)
-        return d
-
-    # ---- metrics -----------------------------------------------------------------------------
-
-    def metrics(self) -> EngineMetrics:
-        with self._lock:
-            m = self._m
-            return EngineMetrics(
-                queue_len=len(self.slots.queue),
-                running=len(self.slots.running()),
-                num_slots=self.num_slots,
-                requests_finished_by_reason=dict(self._finished_by_reason),
-                prompt_tokens=m["prompt_tokens"],
-                generation_tokens=m["generation_tokens"],
-                draft_tokens=m["draft_tokens"],
-                verified_tokens=m["verified_tokens"],
-                accepted_tokens=m["accepted_tokens"],
-                accepted_per_position=self._acc_pos.tolist(),
-                verified_per_round=self._verified_hist.tolist(),
-                rounds=m["rounds"],
-                compilations=self.compilations,
-                requests_submitted=m["submitted"],
-                requests_rejected=m["rejected"],
-            )
