@@ -2,9 +2,10 @@
 
 Proportions chosen by measurement (benchmarks/demo_proportions.py, README "Demo proportions"):
 a target deep relative to its drafters (16 layers x 160 rather than 6 x 256 at about the same
-parameter count), target features from 5 layers spread over its depth (1, 4, 7, 10, 13; Eagle3
-reads the same ones), 1-layer DSpark / DFlash backbones, regeneration at the evaluation temperature
-(T = 1, no top-k / top-p), and one stated training budget for all three drafters: 400 optimizer
+parameter count, 200 steps), target features from 5 layers spread over its depth (1, 4, 7, 10, 13;
+Eagle3 reads the same ones), 2-layer DSpark / DFlash backbones with 128 anchor blocks per sequence
+(about every anchor candidate of a 256-token window), regeneration at the evaluation temperature
+(T = 1, no top-k / top-p), and one stated training budget for all three drafters: 300 optimizer
 steps x 8 sequences x 256 tokens, accumulated over 2 micro-batches of 4.
 
 `python train.py --config configs/tiny.py`
@@ -45,7 +46,7 @@ def config() -> PipelineConfig:
         name="tiny",
         run_dir="runs/tiny",
         tokenizer=TokenizerStage(vocab_size=2048),
-        target=TargetStage(model=target, train=TARGET_TRAIN.replace(total_steps=300)),
+        target=TargetStage(model=target, train=TARGET_TRAIN.replace(total_steps=200)),
         # the drafters learn the distribution they are evaluated on: T = 1, untruncated
         regenerate=RegenerateStage(
             max_prompts=1200,
@@ -58,11 +59,11 @@ def config() -> PipelineConfig:
         drafters=DrafterStage(
             kinds=("dspark", "dflash", "eagle3"),
             block_size=7,
-            num_layers=1,  # DSpark / DFlash backbone depth (Eagle3 is always 1 layer)
+            num_layers=2,  # DSpark / DFlash backbone depth (Eagle3 is always 1 layer)
             markov_rank=64,
-            num_anchors=64,
+            num_anchors=128,  # ~ every anchor candidate of a 256-token window
             train=DRAFTER_TRAIN.replace(
-                total_steps=400,  # the same budget for the three drafters
+                total_steps=300,  # the same budget for the three drafters
                 global_batch_size=8,
                 micro_batch_size=4,  # gradients accumulated over 2 micro-batches
                 eval_batch_size=4,

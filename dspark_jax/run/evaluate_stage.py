@@ -54,7 +54,7 @@ def run_evaluate(p) -> dict:
     bar = tqdm(total=total, desc="evaluate", unit="prompt")
     all_results = {}
     decoders = {
-        k: p.rundir.decoder_for(k, [longest], e.max_new_tokens, e.max_len)
+        k: p.rundir.decoder_for(k, [longest], e.max_new_tokens, e.max_len, lean=True)
         for k in p.cfg.drafters.kinds
     }
     for kind in p.cfg.drafters.kinds:
@@ -85,7 +85,7 @@ def run_evaluate(p) -> dict:
         # lax.switch over buckets, whose branches copy the KV cache (on the demo's models:
         # 3.5 vs 4.8 ms per round)
         batch1 = p.rundir.decoder_for(
-            kind, [len(q) for q in sprompts], e.max_new_tokens, e.max_len, num_slots=1,
+            kind, [len(q) for q in sprompts], e.max_new_tokens, e.max_len, lean=True, num_slots=1,
             rounds_per_call=e.speed_rounds_per_call,
             token_buckets=(p.cfg.drafters.block_size + 1,),
         )  # fmt: skip

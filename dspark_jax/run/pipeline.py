@@ -317,7 +317,9 @@ class Pipeline(StagedRun):
                 "target's context) or lower calibrate.max_new_tokens"
             )
         prompts = tuple(kept)
-        dec = self.rundir.decoder_for("dspark", [len(p) for p in prompts], c.max_new_tokens)
+        dec = self.rundir.decoder_for(
+            "dspark", [len(p) for p in prompts], c.max_new_tokens, lean=True
+        )
         g = dec.dcfg.block_size
         res = run_dataset(
             dec, EvalDataset("calibration", "mixed", prompts), max_new_tokens=c.max_new_tokens,

@@ -285,10 +285,18 @@ class RunDir:
             rounds_per_call=rounds_per_call, token_buckets=token_buckets,
         )  # fmt: skip
 
-    def decoder_for(self, kind: str, prompt_lens, max_new_tokens: int, cap: int = 0, **engine):
+    def decoder_for(
+        self, kind: str, prompt_lens, max_new_tokens: int, cap: int = 0, *, lean=False, **engine
+    ):
         """A decoder sized for these prompts: prompt buckets up to the longest prompt (at most the
         target's context minus the generation budget), cache just long enough (`engine`:
-        `decoder`'s num_slots / rounds_per_call / token_buckets)."""
+        `decoder`'s num_slots / rounds_per_call / token_buckets).
+
+        `lean` (the pipeline's fixed-γ decoders, which run a few hundred prompts once): one
+        prompt bucket (the longest prompt's) and, unless `token_buckets` is given, two token
+        buckets (all slots' γ + 1 tokens, and half of it), so that a cold start compiles a
+        quarter of the programs (each 5-10 s for the demo's 16-layer target on 2 CPU cores)
+        for a little more verify work in a batch's last rounds."""
         from dspark_jax.errors import RequestError
 
         limit = self.prompt_limit(max_new_tokens, cap)
@@ -301,5 +309,10 @@ class RunDir:
             )
         top = min(next((b for b in LENGTH_BUCKETS if b >= longest), limit), limit)
         buckets = tuple(b for b in LENGTH_BUCKETS if b < top) + (top,)
-        extra = max_new_tokens + self.config.drafters.block_size + 2
+        g1 = self.config.drafters.block_size + 1
+        if lean:
+            buckets = (top,)
+            full = (engine.get("num_slots") or max(1, self.config.evaluate.batch_size)) * g1
+            engine.setdefault("token_buckets", (max(g1, full // 2), full))
+        extra = max_new_tokens + g1 + 1
         return self.decoder(kind, max_len=top + extra, length_buckets=buckets, **engine)
