@@ -14,11 +14,13 @@ temperatures, no speed section).
 Points:
   depth  DSpark with 1 / 2 / 5 backbone layers, and DFlash with 5 (paper: DSpark-2L > DFlash-5L)
   gamma  DSpark and DFlash with block_size 3 / 7 / 11 / 15 (draft length 4 / 8 / 12 / 16), at the
-         demo's backbone depth (1 layer; the paper uses 5)
+         demo's backbone depth (2 layers; the paper uses 5)
 
-Time (measured on 2 idle cores, README "Demo proportions"): depth 24.5 min (1L, 2L, 5L,
-DFlash-5L), gamma 31 min (4 points x 2 drafters); about 56 min in all. The target and
-regeneration are never redone (`--stages` is not needed: their keys do not change).
+Time (measured on 2 idle cores, README "Demo proportions", with the demo's earlier drafter
+settings: 64 anchor blocks, 400 steps): depth 24.5 min (1L, 2L, 5L, DFlash-5L), gamma 31 min
+(4 points x 2 drafters); about 56 min in all. Not re-measured with the present settings (128
+anchor blocks, 300 steps: more work per step, fewer steps). The target and regeneration are
+never redone (`--stages` is not needed: their keys do not change).
 """
 
 from __future__ import annotations

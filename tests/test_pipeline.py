@@ -55,6 +55,9 @@ def test_micro_pipeline_end_to_end_and_resume(tmp_path):
     run_dir = tmp_path / "micro"
     out = _run(["--config", "configs/micro.py", "--run-dir", str(run_dir)])
     assert "| drafter |" in out
+    # the overall progress line before every stage, and the whole run's time at the end
+    assert out.count("[pipeline] ") == 8 and "min left in all" in out
+    assert "[pipeline] evaluate (7/7)" in out and "[pipeline] done in" in out
     _check_report(run_dir)
     mtimes = {p: p.stat().st_mtime for p in run_dir.rglob("done.json")}
     assert len(mtimes) == 7
@@ -93,6 +96,27 @@ def test_micro_pipeline_end_to_end_and_resume(tmp_path):
     assert rep["datasets_not_evaluated"]["huge"]["too_long"] == 1
     assert "nothing fits" in (run_dir / "evaluate" / "report.md").read_text()
     assert list((run_dir / "previous").glob("evaluate.*"))  # the first report is kept
+
+
+def test_pipeline_eta_counts_the_stages_left_at_this_runs_pace():
+    """The overall line prices each stage's work at the demo's measured rates and rescales the
+    rest by the pace of the stages done: the demo's own config predicts its measured time."""
+    from configs.tiny import config as tiny
+    from dspark_jax.run.eta import PipelineEta
+    from dspark_jax.run.staged import STAGES
+
+    eta = PipelineEta(tiny(), STAGES)
+    total = sum(eta.predicted.values())
+    assert 20 * 60 < total < 40 * 60, total
+    assert "about " in eta.line("corpus") and "(1/7)" in eta.line("corpus")
+    eta.done("corpus", 4.0)
+    eta.done("tokenizer", 3.0)
+    eta.done("target", 2 * eta.predicted["target"])  # this machine is half as fast
+    left = sum(eta.predicted[s] for s in STAGES[3:])
+    assert f"about {2 * left / 60:.0f} min left" in eta.line("regenerate")
+    regen = eta.predicted["regenerate"]
+    eta.skipped("regenerate")  # a cached stage costs nothing
+    assert f"about {2 * (left - regen) / 60:.0f} min left" in eta.line("drafters")
 
 
 def test_unknown_override_keys_are_errors():

@@ -20,6 +20,7 @@ import jax
 from dspark_jax.errors import ConfigError
 from dspark_jax.io import FileHasher, canonical_hash, write_json_atomic
 from dspark_jax.pipeline_config import PipelineConfig, absolute_paths
+from dspark_jax.run.eta import PipelineEta
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.run.store import StageStore
 from dspark_jax.run.validate import validate_config, validate_inputs
@@ -181,18 +182,21 @@ class StagedRun:
                 f"them first (--stages {','.join(missing)},...) or drop --stages"
             )
         _on_main("setup", lambda: (self.run.mkdir(parents=True, exist_ok=True), self.hasher.save()))
+        eta = PipelineEta(self.cfg, [s for s in STAGES if s in stages])
         for s in STAGES:
             if s not in stages:
                 continue
             key = self.key(s)
             was_current = self.store.is_done(s, key)
             if s not in force and self._recover(s):
+                eta.skipped(s)
                 self.status[s] = "cached"
                 self.log(f"[{s}] cached ({self.store.current(s)})")
                 if not was_current:  # restored from previous/: the outputs changed
                     self._write_config()
                 continue
             changed = self._what_changed(s)
+            self.log(eta.line(s))
             self.log(f"[{s}] running" + (f" (changed: {changed})" if changed else ""))
             _on_main(f"begin_{s}", lambda s=s, key=key: self.store.begin(s, key, force=s in force))
             self._building[s] = self.store.work(s, key)
@@ -210,7 +214,10 @@ class StagedRun:
             self.rundir.forget()
             self._write_config()
             self.status[s] = "ran"
+            eta.done(s, self.timings[s])
             self.log(f"[{s}] done in {self.timings[s]:.1f}s")
+        if self.timings:
+            self.log(f"[pipeline] done in {sum(self.timings.values()) / 60:.1f} min")
         self._write_config()
         return self.status
 

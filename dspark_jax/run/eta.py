@@ -1,0 +1,76 @@
+"""The pipeline's overall progress line: how much of the whole run is left, not only the stage's.
+
+Each stage's work is counted in units its cost grows with (optimizer steps x sequences, prompts x
+new tokens, ...) and priced at the seconds per unit that the tiny demo measured on 2 CPU cores
+(`DEMO_SECONDS_PER_UNIT`, from its run's stage times). Once a stage has run, the estimate is
+rescaled by this run's own pace (seconds taken / seconds predicted so far), so a faster machine,
+a GPU or a larger model corrects the prices after the first stage that trains or decodes.
+"""
+
+from __future__ import annotations
+
+import time
+
+# seconds per work unit, measured on the tiny demo (16 x 160 target, 2 idle CPU cores); the
+# units are those of `stage_work`
+DEMO_SECONDS_PER_UNIT = {
+    "corpus": 5.0,  # the embedded corpus (one unit)
+    "tokenizer": 3.0,  # training the tokenizer (one unit)
+    "target": 544.0 / (200 * 16 * 256),  # per training token
+    "regenerate": 205.0 / (1200 * 128),  # per prompt x max_new_tokens
+    "drafters": 927.0 / (3 * 300 * 8),  # per drafter x step x sequence (incl. the feature cache)
+    "calibrate": 30.0 / (48 * 96),  # per prompt x max_new_tokens
+    "evaluate": 254.0 / (3 * 72 * 96 * 2),  # per drafter x prompt x new token x temperature
+}
+
+
+def stage_work(cfg, stage: str) -> float:
+    """The work of `stage` under `cfg` (a PipelineConfig), in `DEMO_SECONDS_PER_UNIT`'s units."""
+    t, d, e = cfg.target, cfg.drafters, cfg.evaluate
+    if stage == "target":
+        return 0.0 if t.path else float(t.train.total_steps * t.train.global_batch_size
+                                        * max(t.train.seq_buckets))  # fmt: skip
+    if stage == "regenerate":
+        return float(cfg.regenerate.max_prompts * cfg.regenerate.max_new_tokens)
+    if stage == "drafters":
+        return float(len(d.kinds) * d.train.total_steps * d.train.global_batch_size)
+    if stage == "calibrate":
+        return float(cfg.calibrate.max_prompts * cfg.calibrate.max_new_tokens)
+    if stage == "evaluate":
+        temps = 1 + sum(float(x) != float(e.temperature) for x in e.temperatures)
+        sets = len(cfg.data.eval_prompt_files) or 3  # the embedded corpus: three held-out sets
+        return float(len(d.kinds) * sets * e.max_prompts_per_dataset * e.max_new_tokens * temps)
+    return 1.0
+
+
+class PipelineEta:
+    """Predicted seconds per stage still to run, rescaled by the pace of the stages done."""
+
+    def __init__(self, cfg, stages):
+        self.stages = list(stages)
+        self.predicted = {s: stage_work(cfg, s) * DEMO_SECONDS_PER_UNIT[s] for s in self.stages}
+        self.taken: dict[str, float] = {}
+        self.t0 = time.perf_counter()
+
+    def done(self, stage: str, seconds: float) -> None:
+        self.taken[stage] = seconds
+
+    def skipped(self, stage: str) -> None:
+        self.predicted[stage] = 0.0
+
+    def pace(self) -> float:
+        """Seconds taken / seconds predicted over the stages that ran (1 before any did); the
+        two short set-up stages are left out, their time says little about the machine."""
+        ran = [s for s in self.taken if s not in ("corpus", "tokenizer") and self.predicted[s]]
+        if not ran:
+            return 1.0
+        return sum(self.taken[s] for s in ran) / sum(self.predicted[s] for s in ran)
+
+    def line(self, stage: str) -> str:
+        """`[pipeline] <stage> (i/n): x min so far, about y min left in all`."""
+        todo = [s for s in self.stages if s not in self.taken]
+        left = sum(self.predicted[s] for s in todo) * self.pace()
+        i = self.stages.index(stage) + 1
+        so_far = (time.perf_counter() - self.t0) / 60
+        return (f"[pipeline] {stage} ({i}/{len(self.stages)}): {so_far:.1f} min so far, "
+                f"about {left / 60:.0f} min left in all")  # fmt: skip
