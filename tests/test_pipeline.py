@@ -59,6 +59,14 @@ def test_micro_pipeline_end_to_end_and_resume(tmp_path):
     assert out.count("[pipeline] ") == 8 and "min left in all" in out
     assert "[pipeline] evaluate (7/7)" in out and "[pipeline] done in" in out
     _check_report(run_dir)
+    # the pipeline's decoders are lean: one prompt bucket, two token buckets (slots x (γ+1), half)
+    from dspark_jax.run.rundir import RunDir
+
+    rd = RunDir(run_dir)
+    dec, plain = (rd.decoder_for("dspark", [200], 16, lean=x) for x in (True, False))
+    full = max(1, rd.config.evaluate.batch_size) * (rd.config.drafters.block_size + 1)
+    assert dec.prompt_buckets == (256,) and dec.token_buckets == (full // 2, full)
+    assert len(plain.prompt_buckets) > 1 and len(plain.token_buckets) > 2
     mtimes = {p: p.stat().st_mtime for p in run_dir.rglob("done.json")}
     assert len(mtimes) == 7
     # the preset's drafters read one shared offline feature cache, not kept with their output

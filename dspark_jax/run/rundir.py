@@ -280,10 +280,14 @@ class RunDir:
         )
         return ServingEngine(
             tcfg, dcfg, tparams, dparams,
-            num_slots=num_slots or max(1, self.config.evaluate.batch_size), max_len=max_len,
+            num_slots=self._slots(num_slots), max_len=max_len,
             prompt_buckets=tuple(buckets), policy="fixed", mesh=self.mesh,
             rounds_per_call=rounds_per_call, token_buckets=token_buckets,
         )  # fmt: skip
+
+    def _slots(self, num_slots: int) -> int:
+        """A decoder's slots: `num_slots`, or 0 for `evaluate.batch_size`."""
+        return num_slots or max(1, self.config.evaluate.batch_size)
 
     def decoder_for(
         self, kind: str, prompt_lens, max_new_tokens: int, cap: int = 0, *, lean=False, **engine
@@ -312,7 +316,7 @@ class RunDir:
         g1 = self.config.drafters.block_size + 1
         if lean:
             buckets = (top,)
-            full = (engine.get("num_slots") or max(1, self.config.evaluate.batch_size)) * g1
+            full = self._slots(engine.get("num_slots", 0)) * g1
             engine.setdefault("token_buckets", (max(g1, full // 2), full))
         extra = max_new_tokens + g1 + 1
         return self.decoder(kind, max_len=top + extra, length_buckets=buckets, **engine)
