@@ -88,13 +88,18 @@ def rope_inv_freq(cfg: TargetConfig, head_dim: int | None = None) -> jax.Array:
 
 
 def apply_rope(x_BxTxNxD, positions_BxT, inv_freq):
-    """Non-interleaved ("rotate half") RoPE, computed in fp32."""
+    """Non-interleaved ("rotate half") RoPE, computed in fp32.
+
+    [x1, x2] -> [x1·cos − x2·sin, x2·cos + x1·sin], written as x·[cos, cos] + roll(x)·[−sin, sin]
+    (the same products and sums, so the same bits): one elementwise pass instead of a split
+    and a concatenate, which on CPU cost a tenth of a training step, backward included."""
     freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     cos = jnp.cos(freqs)[:, :, None, :]
     sin = jnp.sin(freqs)[:, :, None, :]
+    cos2 = jnp.concatenate([cos, cos], axis=-1)
+    sin2 = jnp.concatenate([-sin, sin], axis=-1)
     x = x_BxTxNxD.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    out = x * cos2 + jnp.roll(x, x.shape[-1] // 2, axis=-1) * sin2
     return out.astype(x_BxTxNxD.dtype)
 
 
@@ -163,16 +168,38 @@ def joint_softmax(scores, masks):
     scores: fp32 arrays [..., S_i]; masks: bools broadcastable to them. Masked entries get
     probability 0; a row with no visible entry gets all zeros, with finite (zero) gradients.
     With one set this is `jax.nn.softmax` of the masked scores, bit for bit.
+
+    The gradient is the softmax's own, dS_i = P_i·(dP_i − Σ_j Σ P_j·dP_j) (a custom VJP, as
+    `jax.nn.softmax` has): differentiating through the masks, the max and the division instead
+    cost a seventh of a training step on CPU.
     """
+    return _joint_softmax(list(scores), list(masks))
+
+
+def _joint_softmax_fwd(scores, masks):
     scores = [jnp.where(m, s, _NEG) for s, m in zip(scores, masks)]
     mx = jnp.max(scores[0], axis=-1, keepdims=True, initial=_NEG)
     for s in scores[1:]:
         mx = jnp.maximum(mx, jnp.max(s, axis=-1, keepdims=True, initial=_NEG))
-    mx = jax.lax.stop_gradient(mx)
     es = [jnp.where(m, jnp.exp(s - mx), 0.0) for s, m in zip(scores, masks)]
     den = sum(e.sum(-1, keepdims=True) for e in es)
     den = jnp.where(den > 0, den, 1.0)
-    return [e / den for e in es]
+    probs = [e / den for e in es]
+    return probs, (probs, masks)
+
+
+def _joint_softmax_bwd(res, d_probs):
+    probs, masks = res
+    inner = sum((g * p).sum(-1, keepdims=True) for g, p in zip(d_probs, probs))
+    return [p * (g - inner) for g, p in zip(d_probs, probs)], [None] * len(masks)
+
+
+@jax.custom_vjp
+def _joint_softmax(scores, masks):
+    return _joint_softmax_fwd(scores, masks)[0]
+
+
+_joint_softmax.defvjp(_joint_softmax_fwd, _joint_softmax_bwd)
 
 
 def attend(q_BxTxNxD, kv_sets):

@@ -255,10 +255,14 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
     inv_len = jnp.where(row_len > 0, 1.0 / jnp.maximum(row_len, 1.0), 0.0)  # [B]
     total = jnp.zeros((), f32)
     acc_num, tv_num, mden, ce_k, match, accs = [], [], [], [], [], []
+    # one softmax and one argmax of the target, shifted per step (past the end: the uniform
+    # distribution and argmax 0, what zero logits give, bit for bit)
+    p_all = jax.nn.softmax(t_logits, axis=-1)
+    top_all = jnp.argmax(t_logits, -1)
+    uniform = 1.0 / jnp.asarray(t_logits.shape[-1], f32)
     for k in range(cfg.block_size):
         logp_d = jax.nn.log_softmax(model.logits(g_steps[k]).astype(f32), axis=-1)
-        tl = _shift_left(t_logits, k + 1)  # zero logits past the end -> uniform target
-        p_t = jax.nn.softmax(tl, axis=-1)
+        p_t = _shift_left(p_all, k + 1, fill=uniform)
         mk = _shift_left(lm, k)
         ce = -(p_t * logp_d).sum(-1)
         step = ((mk * ce).sum(1) * inv_len).sum() / n_rows
@@ -267,7 +271,7 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
         acc = jax.lax.stop_gradient(
             jnp.clip(1.0 - 0.5 * jnp.abs(jnp.exp(logp_d) - p_t).sum(-1), 0.0, 1.0)
         )
-        hit = (jnp.argmax(logp_d, -1) == jnp.argmax(tl, -1)).astype(f32)
+        hit = (jnp.argmax(logp_d, -1) == _shift_left(top_all, k + 1)).astype(f32)
         accs.append(acc * mk)
         match.append(hit * mk)
         tv_num.append((acc * mk).sum())
