@@ -91,8 +91,9 @@ def apply_rope(x_BxTxNxD, positions_BxT, inv_freq):
     """Non-interleaved ("rotate half") RoPE, computed in fp32.
 
     [x1, x2] -> [x1·cos − x2·sin, x2·cos + x1·sin], written as x·[cos, cos] + roll(x)·[−sin, sin]
-    (the same products and sums, so the same bits): one elementwise pass instead of a split
-    and a concatenate, which on CPU cost a tenth of a training step, backward included."""
+    (the same products and sums; XLA may round a fused multiply-add differently, ~1 ulp): one
+    elementwise pass instead of a split and a concatenate, which on CPU cost a tenth of a
+    training step, backward included (benchmarks/target_step.py)."""
     freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     cos = jnp.cos(freqs)[:, :, None, :]
     sin = jnp.sin(freqs)[:, :, None, :]
@@ -171,7 +172,7 @@ def joint_softmax(scores, masks):
 
     The gradient is the softmax's own, dS_i = P_i·(dP_i − Σ_j Σ P_j·dP_j) (a custom VJP, as
     `jax.nn.softmax` has): differentiating through the masks, the max and the division instead
-    cost a seventh of a training step on CPU.
+    cost a seventh of a training step on CPU (benchmarks/target_step.py).
     """
     return _joint_softmax(list(scores), list(masks))
 
