@@ -23,6 +23,7 @@ from dspark_jax.drafters.eagle3 import (
     ttt_hidden,
 )
 from dspark_jax.errors import ConfigError
+from dspark_jax.models import layers
 from dspark_jax.models import transformer as T
 from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
 from dspark_jax.testing import drafter_batch, tiny_drafter_config, tiny_target_config
@@ -49,6 +50,36 @@ def _model(kind, target, **kw):
 
 def _positions(b, n):
     return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+
+
+# ---------------------------------------------------------------------------------------------
+# the one attention softmax (models.layers.joint_softmax): its custom VJP is the softmax's
+
+
+def test_joint_softmax_gradient_is_the_softmax_gradient_of_the_concatenated_sets():
+    """Two score sets merged by `joint_softmax` equal one softmax over their concatenation with
+    masked entries at -inf, in value and in gradient (the custom VJP); a row with no visible
+    entry gives zeros with a zero, finite gradient."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    s1, s2 = jax.random.normal(k1, (3, 5)), jax.random.normal(k2, (3, 4))
+    m1 = jnp.array([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], bool)
+    m2 = jnp.array([[1, 0, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]], bool)
+    w = jax.random.normal(k3, (3, 9))  # a generic cotangent
+
+    def ours(s1, s2):
+        return jnp.concatenate(layers.joint_softmax([s1, s2], [m1, m2]), -1)
+
+    def reference(s1, s2):
+        s, m = jnp.concatenate([s1, s2], -1), jnp.concatenate([m1, m2], -1)
+        return m * jax.nn.softmax(jnp.where(m, s, -1e30), axis=-1)
+
+    np.testing.assert_allclose(ours(s1, s2), reference(s1, s2), rtol=1e-6, atol=1e-7)
+    g = jax.grad(lambda a, b: (ours(a, b) * w).sum(), argnums=(0, 1))(s1, s2)
+    g_ref = jax.grad(lambda a, b: (reference(a, b) * w).sum(), argnums=(0, 1))(s1, s2)
+    for got, want in zip(g, g_ref):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert np.all(np.asarray(g[0][1]) == 0) and np.all(np.asarray(g[1][1]) == 0)
+    assert np.any(np.abs(np.asarray(g[0][0])) > 1e-3)  # the test is not vacuous
 
 
 # ---------------------------------------------------------------------------------------------
