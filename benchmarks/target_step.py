@@ -40,8 +40,18 @@ from dspark_jax.train import lm  # noqa: E402
 
 
 def _softmax_autodiff(scores, masks):
-    """The joint softmax without its custom VJP (autodiff through every op)."""
-    return layers._joint_softmax_fwd(list(scores), list(masks))[0]
+    """The joint softmax as it was written before its custom VJP (autodiff through the masks
+    and the division; the max held constant)."""
+    neg = layers._NEG
+    scores = [jnp.where(m, s, neg) for s, m in zip(scores, masks)]
+    mx = jnp.max(scores[0], axis=-1, keepdims=True, initial=neg)
+    for s in scores[1:]:
+        mx = jnp.maximum(mx, jnp.max(s, axis=-1, keepdims=True, initial=neg))
+    mx = jax.lax.stop_gradient(mx)
+    es = [jnp.where(m, jnp.exp(s - mx), 0.0) for s, m in zip(scores, masks)]
+    den = sum(e.sum(-1, keepdims=True) for e in es)
+    den = jnp.where(den > 0, den, 1.0)
+    return [e / den for e in es]
 
 
 def _rope_split(x, positions, inv_freq):
