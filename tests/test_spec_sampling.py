@@ -162,3 +162,19 @@ def test_sampler_matches_distribution():
     assert counts[1] == 0
     keep = probs > 0
     assert stats.chisquare(counts[keep], n * probs[keep] / probs.sum()).pvalue > 1e-3
+
+
+def test_noise_made_ahead_draws_what_categorical_draws():
+    """Drafters make a block's Gumbel noise before their sequential loop: per key, the draw must
+    be `jax.random.categorical`'s, bit for bit (the same tokens as drawing inside the loop)."""
+    keys = jax.random.split(jax.random.key(5), 12).reshape(3, 4)
+    logits = jnp.log(jax.random.dirichlet(jax.random.key(6), jnp.ones(50), (3, 4)))
+    noise = S.gumbel_noise(keys, 50)
+    assert noise.shape == (3, 4, 50)
+    ahead = np.asarray(S.sample_with_noise(noise, logits))
+    one_by_one = np.array(
+        [[jax.random.categorical(keys[i, j], logits[i, j]) for j in range(4)] for i in range(3)]
+    )
+    np.testing.assert_array_equal(ahead, one_by_one)
+    rows = S.sample_from_logits(keys.reshape(-1), logits.reshape(-1, 50))
+    np.testing.assert_array_equal(np.asarray(rows).reshape(3, 4), ahead)

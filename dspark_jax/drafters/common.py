@@ -67,8 +67,17 @@ def sampling_probs(logits_BxV: jax.Array, sampling, scfg) -> jax.Array:
     return spec_sampling.probs_from_logits(logits, sampling, scfg)
 
 
-def draw_tokens(keys_B: jax.Array, probs_BxV: jax.Array, scfg) -> jax.Array:
-    """One token per row from `probs` (greedy mode: the argmax, no randomness)."""
+def draft_noise(keys_BxG: jax.Array, num_classes: int, scfg) -> jax.Array | None:
+    """The Gumbel noise of every draft slot at once, [B, γ, V] (None in greedy mode), made
+    before the drafter's sequential loop (`spec.sampling.gumbel_noise`: the draws equal
+    per-step `sample_from_probs` with these keys, bit for bit)."""
+    if scfg is not None and scfg.greedy:
+        return None
+    return spec_sampling.gumbel_noise(keys_BxG, num_classes)
+
+
+def draw_tokens(noise_BxV: jax.Array | None, probs_BxV: jax.Array, scfg) -> jax.Array:
+    """One token per row from `probs` with this slot's `draft_noise` (greedy: the argmax)."""
     if scfg is not None and scfg.greedy:
         return jnp.argmax(probs_BxV, axis=-1).astype(jnp.int32)
-    return spec_sampling.sample_from_probs(keys_B, probs_BxV)
+    return spec_sampling.sample_with_noise(noise_BxV, jnp.log(probs_BxV))

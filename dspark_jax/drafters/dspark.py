@@ -33,6 +33,7 @@ from dspark_jax.drafters.common import (
     FrozenParam,
     Proposal,
     draft_keys,
+    draft_noise,
     draw_tokens,
     embed,
     lm_logits,
@@ -212,13 +213,14 @@ def propose_block(
     base = model.base_logits(z)  # [B, γ, V]
     positions = ctx.lengths[:, None] + 1 + jnp.arange(g, dtype=jnp.int32)[None, :]
     keys = draft_keys(key, seeds_B, positions, rounds_B)  # [B, γ]
+    noise = None if forced_BxG is not None else draft_noise(keys, base.shape[-1], scfg)
     head, conf_head = model.markov_head, model.confidence_head
     state0 = head.init_state((b,), z.dtype) if head is not None else jnp.zeros((), z.dtype)
     forced = jnp.zeros((b, g), jnp.int32) if forced_BxG is None else forced_BxG
 
     def body(carry, xs):
         prev, state = carry
-        z_k, u_k, key_k, forced_k = xs
+        z_k, u_k, noise_k, forced_k = xs
         e = None
         logits = u_k
         if head is not None:
@@ -226,10 +228,11 @@ def propose_block(
             logits = logits + bias
         conf = conf_head(z_k, e) if conf_head is not None else jnp.zeros((b,), jnp.float32)
         probs = sampling_probs(logits, sampling, scfg)
-        tok = forced_k if forced_BxG is not None else draw_tokens(key_k, probs, scfg)
+        tok = forced_k if forced_BxG is not None else draw_tokens(noise_k, probs, scfg)
         return (tok, state), (tok, probs, conf)
 
-    xs = (jnp.moveaxis(z, 1, 0), jnp.moveaxis(base, 1, 0), jnp.moveaxis(keys, 1, 0), forced.T)
+    slot_major = None if noise is None else jnp.moveaxis(noise, 1, 0)
+    xs = (jnp.moveaxis(z, 1, 0), jnp.moveaxis(base, 1, 0), slot_major, forced.T)
     _, (toks, probs, conf) = jax.lax.scan(body, (anchor_B.astype(jnp.int32), state0), xs)
     conf_logits = jnp.moveaxis(conf, 0, 1) if conf_head is not None else None
     return Proposal(jnp.moveaxis(toks, 0, 1), jnp.moveaxis(probs, 0, 1), conf_logits)

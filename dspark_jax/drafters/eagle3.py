@@ -22,6 +22,7 @@ from dspark_jax.drafters.common import (
     FrozenParam,
     Proposal,
     draft_keys,
+    draft_noise,
     draw_tokens,
     embed,
     lm_logits,
@@ -198,22 +199,25 @@ def propose_eagle3(
     start = ctx.lengths
     positions = start[:, None] + 1 + jnp.arange(gam, dtype=jnp.int32)[None]
     keys = draft_keys(key, seeds_B, positions, rounds_B)
+    vocab = model.lm_head[...].shape[-1]
+    noise = None if forced_BxG is not None else draft_noise(keys, vocab, scfg)  # [B, γ, V]
+    slot = (lambda j: None) if noise is None else (lambda j: noise[:, j])
     forced = jnp.zeros((b, gam), jnp.int32) if forced_BxG is None else forced_BxG
     cache_mask = (jnp.arange(s)[None, :] < start[:, None])[:, None, :]  # [B, 1, S]
     nb = max(gam - 1, 1)
     buf_k = jnp.zeros((b, attn.cfg.num_kv_heads, nb, attn.cfg.head_dim), ctx.k.dtype)
     buf_v = jnp.zeros_like(buf_k)
 
-    def step_draw(g, key_k, forced_k):
+    def step_draw(g, noise_k, forced_k):
         probs = sampling_probs(model.logits(g), sampling, scfg)
-        tok = forced_k if forced_BxG is not None else draw_tokens(key_k, probs, scfg)
+        tok = forced_k if forced_BxG is not None else draw_tokens(noise_k, probs, scfg)
         return tok, probs
 
-    tok0, p0 = step_draw(ctx.g, keys[:, 0], forced[:, 0])
+    tok0, p0 = step_draw(ctx.g, slot(0), forced[:, 0])
 
     def body(carry, xs):
         g, tok, bk, bv = carry
-        j, key_k, forced_k = xs  # j = 1..γ−1
+        j, noise_k, forced_k = xs  # j = 1..γ−1
         pos = (start + j - 1)[:, None]
         x = layer.inputs(embed(model.embed_tokens[...], tok[:, None]), g[:, None])
         q, kk, vv = attn.qkv(x, pos)  # kk/vv [B, n_kv, 1, d]
@@ -222,11 +226,12 @@ def propose_eagle3(
         buf_mask = jnp.broadcast_to(jnp.arange(nb)[None, None, :] < j, (b, 1, nb))
         a = attend(q, [(ctx.k, ctx.v, cache_mask), (bk, bv, buf_mask)])
         g = layer.finish(g[:, None], a.astype(g.dtype))[:, 0]
-        tok, probs = step_draw(g, key_k, forced_k)
+        tok, probs = step_draw(g, noise_k, forced_k)
         return (g, tok, bk, bv), (tok, probs)
 
     js = jnp.arange(1, gam, dtype=jnp.int32)
-    xs = (js, jnp.moveaxis(keys[:, 1:], 1, 0), forced[:, 1:].T)
+    rest = None if noise is None else jnp.moveaxis(noise[:, 1:], 1, 0)
+    xs = (js, rest, forced[:, 1:].T)
     _, (toks, probs) = jax.lax.scan(body, (ctx.g, tok0, buf_k, buf_v), xs)
     tokens = jnp.concatenate([tok0[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
     probs = jnp.concatenate([p0[:, None], jnp.moveaxis(probs, 0, 1)], axis=1)

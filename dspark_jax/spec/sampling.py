@@ -45,6 +45,8 @@ __all__ = [
     "probs_from_logits",
     "sample_from_probs",
     "sample_from_logits",
+    "gumbel_noise",
+    "sample_with_noise",
 ]
 
 
@@ -304,13 +306,32 @@ def probs_from_logits(
     return jax.nn.softmax(transform_logits(logits, params, cfg), axis=-1)
 
 
+def gumbel_noise(keys: jax.Array, num_classes: int, dtype=jnp.float32) -> jax.Array:
+    """The Gumbel noise [..., V] that :func:`sample_from_logits` adds for each key of ``keys``.
+
+    A loop that draws one token per step (a drafter's γ slots) can make all its noise with one
+    vectorised call before the loop and draw with :func:`sample_with_noise` inside it: the same
+    tokens bit for bit, and on CPU one threefry pass instead of one per step (a seventh of the
+    drafting round's cost at γ = 7).
+    """
+    flat = jnp.reshape(keys, (-1,))
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (num_classes,), dtype))(flat)
+    return noise.reshape(*jnp.shape(keys), num_classes)
+
+
+def sample_with_noise(noise: jax.Array, logits: jax.Array) -> jax.Array:
+    """Gumbel-max draw ``argmax(noise + logits)`` [...] with noise from :func:`gumbel_noise`."""
+    return jnp.argmax(noise + logits, axis=-1).astype(jnp.int32)
+
+
 @jax.jit
 def sample_from_logits(keys: jax.Array, logits: jax.Array) -> jax.Array:
     """One token per row from ``softmax(logits)``; ``keys`` [B] (one key per row), logits [B, V].
 
-    Gumbel-max: a ``-inf`` logit is never drawn. Pass logits from :func:`transform_logits`.
+    Gumbel-max (``jax.random.categorical``'s draw): a ``-inf`` logit is never drawn. Pass logits
+    from :func:`transform_logits`.
     """
-    return jax.vmap(lambda k, z: jax.random.categorical(k, z))(keys, logits).astype(jnp.int32)
+    return sample_with_noise(gumbel_noise(keys, logits.shape[-1], logits.dtype), logits)
 
 
 @jax.jit
