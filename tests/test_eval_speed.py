@@ -19,7 +19,9 @@ def test_breakdown_and_measured_speedup_time_only_compiled_code():
         dcfg = tiny_drafter_config(kind, target=tcfg, num_layers=1)
         ds[kind] = (dcfg, dr.init_params(dcfg, target_params=tp))
     prompt = list(range(5, 25))
-    bd = speed.round_breakdown(tcfg, tp, ds, prompt, reps=2, verify_tokens=(1, 4))
+    bd = speed.round_breakdown(
+        tcfg, tp, ds, prompt, reps=2, verify_tokens=(1, 4), resident_rounds=3
+    )
     assert bd["compilations_during_timing"] == 0
     assert set(bd["verify_forward_ms"]) == {1, 4, 5}  # γ+1 = 5 always included
     for row in bd["drafters"].values():
@@ -27,6 +29,12 @@ def test_breakdown_and_measured_speedup_time_only_compiled_code():
         assert abs(parts - row["round_ms"]) < 1e-9 and row["round_ms"] > 0
         assert row["device_round_ms"] > 0  # (vs round_ms it is a timing, not a test: benchmarks)
     assert "sequential_head_share_of_round" in bd
+    # device-resident: the first drafter, every timed step ran its K rounds on the device
+    res = bd["resident"]
+    assert res["drafter"] == "dspark" and res["rounds_per_call"] == 3
+    assert res["rounds_timed"] == 2 * 3
+    assert abs(res["device_ms"] + res["host_ms"] - res["round_ms"]) < 1e-9
+    assert abs(res["host_share_of_round"] - res["host_ms"] / res["round_ms"]) < 1e-12
     speed.add_ideal(bd, {"dspark": 3.0})
     r = bd["drafters"]["dspark"]
     assert abs(r["ideal_speedup"] - 3.0 * bd["step_ms"] / r["round_ms"]) < 1e-12
@@ -43,3 +51,4 @@ def test_breakdown_and_measured_speedup_time_only_compiled_code():
     assert m["rounds_per_call"] == 4 and 1 <= m["tokens_per_round"] <= 5
     md = "\n".join(speed.markdown_speed(bd, m))
     assert "ideal speedup" in md and "compilations during timing: 0" in md
+    assert "Device-resident rounds (dspark, 3 rounds per host call, 6 rounds timed)" in md

@@ -18,6 +18,11 @@ from each separately called component):
            read-back, the host's commit of the tokens).
 `round` is one `ServingEngine.step()`. `step` is one plain decode token inside `generate()`'s
 device loop (marginal cost of 64 tokens). Ideal speedup = τ · step / round.
+
+Device-resident rounds (`resident`, the first drafter, DSpark when present): the same slot on an
+engine that runs K rounds per host call (`engine.rounds`). Per round: `round_ms` (one `step()`
+of K rounds / K), `device_ms` (its K-round call, blocked, less one dispatch, / K) and `host_ms`
+(the rest: the host's scheduling, dispatch, read-back and replay of the K rounds, / K).
 """
 
 from __future__ import annotations
@@ -114,6 +119,38 @@ class _Slot:
         return dt
 
 
+class _Resident(_Slot):
+    """A slot on an engine running K device-resident rounds per `step()`: each timed step also
+    records its K-round device call (blocked) and the rounds it ran."""
+
+    def __init__(self, eng: ServingEngine, prompt, temperature: float, rounds: int):
+        self.calls: list[tuple[float, int]] = []
+        inner = eng._rounds
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            state, out = jax.block_until_ready(inner(*args))
+            self.calls.append(((time.perf_counter() - t0) * 1e3, int(out.count)))
+            return state, out
+
+        eng._rounds = timed
+        super().__init__(eng, prompt, temperature, rounds)
+        self.samples: list[tuple[float, float, int]] = []  # (step ms, call ms, rounds)
+
+    def readmit(self):
+        super().readmit()  # its admission step already ran K rounds
+        self.left = self.rounds - self.eng.rounds_per_call
+
+    def step_ms(self) -> float:
+        if self.left < self.eng.rounds_per_call:
+            self.readmit()
+        self.left -= self.eng.rounds_per_call
+        dt = _ms(self.eng.step)
+        call, count = self.calls[-1]
+        self.samples.append((dt, call, count))
+        return dt
+
+
 def round_breakdown(
     tcfg,
     tparams,
@@ -124,15 +161,18 @@ def round_breakdown(
     reps: int = 9,
     verify_tokens=VERIFY_TOKENS,
     seed: int = 0,
+    resident_rounds: int = 8,
 ) -> dict:
     """Medians (ms) of a plain decode step, the verify forward at each T in `verify_tokens`, and
     per drafter (`{kind: (dcfg, dparams)}`) propose / commit / host / round, on a 1-slot
-    `ServingEngine` (fixed γ) per drafter."""
+    `ServingEngine` (fixed γ) per drafter; with `resident_rounds` K > 1, the first drafter's
+    round also with K device-resident rounds per host call (`resident`)."""
     prompt = [int(x) for x in prompt]
     plen = len(prompt)
     sampled = temperature > 0
     mode = "sampled" if sampled else "greedy"
     timers: dict[str, object] = {}  # name -> fn returning its own time in ms
+    resident = None
     sampling = {"temperature": temperature} if sampled else None
     n_short, n_long = 8, 72
 
@@ -187,6 +227,17 @@ def round_breakdown(
         timers[f"step_{kind}"] = slot.step_ms
         if first is None:  # the forward sweep on the first engine's slot state
             first = (slot, s_len)
+            k = resident_rounds
+            if k > 1:
+                r_len = min(margin + 3 * k * (g + 1), tcfg.max_position_embeddings)
+                reng = ServingEngine(
+                    tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed", max_len=r_len,
+                    prompt_buckets=(plen,), token_buckets=(g + 1,), cache_buckets=(r_len,),
+                    modes=(mode,), rounds_per_call=k,
+                )  # fmt: skip
+                reng.warmup()
+                resident = (kind, _Resident(reng, prompt, temperature, (r_len - margin) // (g + 1)))
+                timers["resident"] = resident[1].step_ms
     if first is not None:
         slot, s_len = first
         for t in ts:
@@ -237,6 +288,24 @@ def round_breakdown(
             "draft_share_of_round": p / r,
             "draft_share_of_verify": p / f,
             "host_share_of_round": host / r,
+        }
+    if resident is not None:
+        kind, rs = resident
+        d = med[f"dispatch_{kind}"]
+        per = [(st / n, (call - d) / n) for st, call, n in rs.samples[-reps:]]
+        rnd = statistics.median(r for r, _ in per)
+        devm = statistics.median(c for _, c in per)
+        p = out["drafters"][kind]["propose_ms"]
+        out["resident"] = {
+            "drafter": kind,
+            "rounds_per_call": rs.eng.rounds_per_call,
+            "rounds_timed": sum(n for _, _, n in rs.samples[-reps:]),
+            "round_ms": rnd,
+            "device_ms": devm,
+            "host_ms": rnd - devm,
+            "host_share_of_round": (rnd - devm) / rnd,
+            "draft_share_of_round": p / rnd,
+            "round_in_steps": rnd / step,
         }
     if "dspark" in drafters and "dflash" in drafters:
         ds, df = out["drafters"]["dspark"], out["drafters"]["dflash"]
@@ -339,6 +408,17 @@ def markdown_speed(bd: dict | None, measured: dict | None) -> list[str]:
             f"| {kind} | {r['propose_ms']:.2f} ms | {r['verify_forward_ms']:.2f} ms | "
             f"{r['commit_ms']:.2f} ms | {r['host_ms']:.2f} ms | {r['round_ms']:.2f} ms | "
             f"{r['round_in_steps']:.2f} | {r['draft_share_of_round'] * 100:.0f}% | {tau} | {ideal} |"
+        )
+    if bd.get("resident"):
+        r = bd["resident"]
+        lines.append("")
+        lines.append(
+            f"Device-resident rounds ({r['drafter']}, {r['rounds_per_call']} rounds per host call, "
+            f"{r['rounds_timed']} rounds timed): {r['round_ms']:.2f} ms per round "
+            f"({r['round_in_steps']:.2f} plain steps), of which the device "
+            f"{r['device_ms']:.2f} ms and the host {r['host_ms']:.2f} ms "
+            f"(**{r['host_share_of_round'] * 100:.1f}%**); drafting "
+            f"**{r['draft_share_of_round'] * 100:.1f}%** of the round."
         )
     if "sequential_head_share_of_round" in bd:
         lines.append("")

@@ -156,8 +156,9 @@ def _speed_breakdown(p, prompt, table) -> dict:
     drafters = {k: p.drafter(k) for k in p.cfg.drafters.kinds}
     p.log("  speed: timing the round's components (compiled, interleaved, medians)")
     bd = evspeed.round_breakdown(
-        tcfg, tparams, drafters, prompt, temperature=e.temperature, reps=e.speed_reps
-    )
+        tcfg, tparams, drafters, prompt, temperature=e.temperature, reps=e.speed_reps,
+        resident_rounds=e.speed_rounds_per_call,
+    )  # fmt: skip
     return evspeed.add_ideal(bd, {k: v["macro"] for k, v in table["tau"].items()})
 
 
