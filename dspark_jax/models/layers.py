@@ -203,6 +203,28 @@ def _joint_softmax(scores, masks):
 _joint_softmax.defvjp(_joint_softmax_fwd, _joint_softmax_bwd)
 
 
+def _few_queries_scores(q, k):
+    """Scores [b, u, tq, nkv, r, S] of queries q [b, u, tq, nkv, r, d] against shared keys
+    k [b, nkv, S, d], computed as k·qᵀ: the keys stay in their cache layout and the small
+    [S, queries] product is transposed instead. `jnp.einsum` makes q the left operand, and XLA:CPU
+    then copies the whole key cache to [d, S] on every call: in batch-32 decoding that copy cost
+    a third of the step (decode and verification have fewer query rows than d)."""
+    b, u, tq, nkv, r, d = q.shape
+    qm = q.transpose(0, 3, 1, 2, 4, 5).reshape(b, nkv, u * tq * r, d)
+    dims = (((3,), (3,)), ((0, 1), (0, 1)))
+    s = jax.lax.dot_general(k, qm, dims, preferred_element_type=jnp.float32)  # [b, nkv, S, M]
+    return s.reshape(b, nkv, -1, u, tq, r).transpose(0, 3, 4, 1, 5, 2)
+
+
+def _few_queries_values(p, v):
+    """Σ_s p·v [b, u, tq, nkv, r, d] for probabilities p [b, u, tq, nkv, r, S] and shared values
+    v [b, nkv, S, d], as one [queries, S] x [S, d] product per key head (see above)."""
+    b, u, tq, nkv, r, s = p.shape
+    pm = p.transpose(0, 3, 1, 2, 4, 5).reshape(b, nkv, u * tq * r, s)
+    o = jax.lax.dot_general(pm, v, (((3,), (2,)), ((0, 1), (0, 1))))  # [b, nkv, M, d]
+    return o.reshape(b, nkv, u, tq, r, -1).transpose(0, 2, 3, 1, 4, 5)
+
+
 def attend(q_BxTxNxD, kv_sets):
     """GQA attention of queries [B, T, n_q, d] over one or more (k, v, mask) sets, one softmax
     (fp32) across all of them. Returns [B, T, n_q * d] in q's dtype.
@@ -224,11 +246,15 @@ def attend(q_BxTxNxD, kv_sets):
     q = q_BxTxNxD.reshape(b, u, t // u, nkv, n // nkv, d)
     scale = 1.0 / math.sqrt(d)
     scores, masks = [], []
+    few = t * (n // nkv) < d  # few queries per key head: keys-first layouts (_few_queries)
     for k, _, mask in kv_sets:
-        spec = "buksd" if k.ndim == 5 else "bksd"
-        s = jnp.einsum(
-            f"buqkrd,{spec}->buqkrs", q, k.astype(dt), preferred_element_type=jnp.float32
-        )
+        if k.ndim == 4 and few:
+            s = _few_queries_scores(q, k.astype(dt))
+        else:
+            spec = "buksd" if k.ndim == 5 else "bksd"
+            s = jnp.einsum(
+                f"buqkrd,{spec}->buqkrs", q, k.astype(dt), preferred_element_type=jnp.float32
+            )
         scores.append(s * scale)
         if mask.ndim == 3:  # [B, T or 1, S] -> [B, U or 1, T/U or 1, S]
             mb, mt, ms = mask.shape
@@ -237,7 +263,10 @@ def attend(q_BxTxNxD, kv_sets):
     probs = joint_softmax(scores, masks)
     o = None
     for (k, v, _), p in zip(kv_sets, probs):
-        spec = "buksd" if k.ndim == 5 else "bksd"
-        ov = jnp.einsum(f"buqkrs,{spec}->buqkrd", p.astype(dt), v.astype(dt))
+        if k.ndim == 4 and few:
+            ov = _few_queries_values(p.astype(dt), v.astype(dt))
+        else:
+            spec = "buksd" if k.ndim == 5 else "bksd"
+            ov = jnp.einsum(f"buqkrs,{spec}->buqkrd", p.astype(dt), v.astype(dt))
         o = ov if o is None else o + ov
     return o.reshape(b, t, n * d)
