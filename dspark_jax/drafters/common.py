@@ -70,7 +70,8 @@ def sampling_probs(logits_BxV: jax.Array, sampling, scfg) -> jax.Array:
 def draft_noise(keys_BxG: jax.Array, num_classes: int, scfg) -> jax.Array | None:
     """The Gumbel noise of every draft slot at once, [B, γ, V] (None in greedy mode), made
     before the drafter's sequential loop (`spec.sampling.gumbel_noise`: the draws equal
-    per-step `sample_from_probs` with these keys, bit for bit)."""
+    per-step `sample_from_probs` with these keys, bit for bit). Its size is that of the
+    proposal's recorded probabilities."""
     if scfg is not None and scfg.greedy:
         return None
     return spec_sampling.gumbel_noise(keys_BxG, num_classes)

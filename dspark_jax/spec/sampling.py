@@ -311,8 +311,9 @@ def gumbel_noise(keys: jax.Array, num_classes: int, dtype=jnp.float32) -> jax.Ar
 
     A loop that draws one token per step (a drafter's γ slots) can make all its noise with one
     vectorised call before the loop and draw with :func:`sample_with_noise` inside it: the same
-    tokens bit for bit, and on CPU one threefry pass instead of one per step (a seventh of the
-    drafting round's cost at γ = 7).
+    tokens bit for bit, and on CPU one threefry pass instead of one per step (CPU JAX runs
+    threefry as a rolled loop of small ops; the per-slot draws were about a third of the demo
+    drafters' γ = 7 proposal, benchmarks/decode_paths.py).
     """
     flat = jnp.reshape(keys, (-1,))
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (num_classes,), dtype))(flat)
