@@ -228,8 +228,8 @@ def round_breakdown(
         if first is None:  # the forward sweep on the first engine's slot state
             first = (slot, s_len)
             k = resident_rounds
-            if k > 1:
-                r_len = min(margin + 3 * k * (g + 1), tcfg.max_position_embeddings)
+            r_len = min(margin + 3 * k * (g + 1), tcfg.max_position_embeddings)
+            if k > 1 and (r_len - margin) // (g + 1) >= 2 * k:  # room for admission + K rounds
                 reng = ServingEngine(
                     tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed", max_len=r_len,
                     prompt_buckets=(plen,), token_buckets=(g + 1,), cache_buckets=(r_len,),
