@@ -82,6 +82,37 @@ def test_joint_softmax_gradient_is_the_softmax_gradient_of_the_concatenated_sets
     assert np.any(np.abs(np.asarray(g[0][0])) > 1e-3)  # the test is not vacuous
 
 
+@pytest.mark.parametrize("t", [2, 4, 12])  # t·r < d takes the few-query (keys-first) layout
+def test_attend_equals_one_softmax_per_query_in_both_layouts(t):
+    """`layers.attend` over a shared set [B, K, S, d] and a grouped set [B, U, K, S2, d] (GQA:
+    4 query heads on 2 key heads) equals, per query, one softmax over the keys it may see."""
+    b, n, nkv, d, s, s2, u = 2, 4, 2, 16, 7, 3, 2
+    ks = jax.random.split(jax.random.key(1), 7)
+    q = jax.random.normal(ks[0], (b, t, n, d))
+    k, v = jax.random.normal(ks[1], (b, nkv, s, d)), jax.random.normal(ks[2], (b, nkv, s, d))
+    kg, vg = (jax.random.normal(ks[3], (b, u, nkv, s2, d)),
+              jax.random.normal(ks[4], (b, u, nkv, s2, d)))  # fmt: skip
+    m = jax.random.bernoulli(ks[5], 0.6, (b, t, s)).at[:, :, 0].set(True)
+    mg = jax.random.bernoulli(ks[6], 0.6, (b, u, t // u, s2))
+    got = np.asarray(layers.attend(q, [(k, v, m), (kg, vg, mg)])).reshape(b, t, n, d)
+    shared_only = np.asarray(layers.attend(q, [(k, v, m)])).reshape(b, t, n, d)
+    for bi in range(b):
+        for i in range(t):
+            for h in range(n):
+                kv, g = h // (n // nkv), i // (t // u)
+                keys = np.concatenate([k[bi, kv], kg[bi, g, kv]])
+                vals = np.concatenate([v[bi, kv], vg[bi, g, kv]])
+                vis = np.concatenate([m[bi, i], mg[bi, g, i % (t // u)]])
+                sc = np.where(vis, keys @ np.asarray(q[bi, i, h]) / np.sqrt(d), -np.inf)
+                p = np.exp(sc - sc.max())
+                np.testing.assert_allclose(got[bi, i, h], p @ vals / p.sum(), atol=2e-5)
+                sc = sc[:s]
+                p = np.exp(sc - sc.max())
+                np.testing.assert_allclose(
+                    shared_only[bi, i, h], p @ v[bi, kv] / p.sum(), atol=2e-5
+                )
+
+
 # ---------------------------------------------------------------------------------------------
 # anchor-bounded attention (REFERENCE §2.5): exact zeros in the gradient
 
