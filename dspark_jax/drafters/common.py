@@ -67,14 +67,14 @@ def sampling_probs(logits_BxV: jax.Array, sampling, scfg) -> jax.Array:
     return spec_sampling.probs_from_logits(logits, sampling, scfg)
 
 
-def draft_noise(keys_BxG: jax.Array, num_classes: int, scfg) -> jax.Array | None:
-    """The Gumbel noise of every draft slot at once, [B, γ, V] (None in greedy mode), made
+def draft_noise(keys: jax.Array, num_classes: int, scfg) -> jax.Array | None:
+    """The Gumbel noise of every draft slot at once, [*keys.shape, V] (None in greedy mode), made
     before the drafter's sequential loop (`spec.sampling.gumbel_noise`: the draws equal
     per-step `sample_from_probs` with these keys, bit for bit). Its size is that of the
     proposal's recorded probabilities."""
     if scfg is not None and scfg.greedy:
         return None
-    return spec_sampling.gumbel_noise(keys_BxG, num_classes)
+    return spec_sampling.gumbel_noise(keys, num_classes)
 
 
 def draw_tokens(noise_BxV: jax.Array | None, probs_BxV: jax.Array, scfg) -> jax.Array:

@@ -213,7 +213,8 @@ def propose_block(
     base = model.base_logits(z)  # [B, γ, V]
     positions = ctx.lengths[:, None] + 1 + jnp.arange(g, dtype=jnp.int32)[None, :]
     keys = draft_keys(key, seeds_B, positions, rounds_B)  # [B, γ]
-    noise = None if forced_BxG is not None else draft_noise(keys, base.shape[-1], scfg)
+    # slot-major [γ, B, V], as the scan consumes it
+    noise = None if forced_BxG is not None else draft_noise(keys.T, base.shape[-1], scfg)
     head, conf_head = model.markov_head, model.confidence_head
     state0 = head.init_state((b,), z.dtype) if head is not None else jnp.zeros((), z.dtype)
     forced = jnp.zeros((b, g), jnp.int32) if forced_BxG is None else forced_BxG
@@ -231,8 +232,7 @@ def propose_block(
         tok = forced_k if forced_BxG is not None else draw_tokens(noise_k, probs, scfg)
         return (tok, state), (tok, probs, conf)
 
-    slot_major = None if noise is None else jnp.moveaxis(noise, 1, 0)
-    xs = (jnp.moveaxis(z, 1, 0), jnp.moveaxis(base, 1, 0), slot_major, forced.T)
+    xs = (jnp.moveaxis(z, 1, 0), jnp.moveaxis(base, 1, 0), noise, forced.T)
     _, (toks, probs, conf) = jax.lax.scan(body, (anchor_B.astype(jnp.int32), state0), xs)
     conf_logits = jnp.moveaxis(conf, 0, 1) if conf_head is not None else None
     return Proposal(jnp.moveaxis(toks, 0, 1), jnp.moveaxis(probs, 0, 1), conf_logits)

@@ -200,8 +200,8 @@ def propose_eagle3(
     positions = start[:, None] + 1 + jnp.arange(gam, dtype=jnp.int32)[None]
     keys = draft_keys(key, seeds_B, positions, rounds_B)
     vocab = model.lm_head[...].shape[-1]
-    noise = None if forced_BxG is not None else draft_noise(keys, vocab, scfg)  # [B, γ, V]
-    slot = (lambda j: None) if noise is None else (lambda j: noise[:, j])
+    noise = None if forced_BxG is not None else draft_noise(keys.T, vocab, scfg)  # [γ, B, V]
+    first, rest = (None, None) if noise is None else (noise[0], noise[1:])
     forced = jnp.zeros((b, gam), jnp.int32) if forced_BxG is None else forced_BxG
     cache_mask = (jnp.arange(s)[None, :] < start[:, None])[:, None, :]  # [B, 1, S]
     nb = max(gam - 1, 1)
@@ -213,7 +213,7 @@ def propose_eagle3(
         tok = forced_k if forced_BxG is not None else draw_tokens(noise_k, probs, scfg)
         return tok, probs
 
-    tok0, p0 = step_draw(ctx.g, slot(0), forced[:, 0])
+    tok0, p0 = step_draw(ctx.g, first, forced[:, 0])
 
     def body(carry, xs):
         g, tok, bk, bv = carry
@@ -230,7 +230,6 @@ def propose_eagle3(
         return (g, tok, bk, bv), (tok, probs)
 
     js = jnp.arange(1, gam, dtype=jnp.int32)
-    rest = None if noise is None else jnp.moveaxis(noise[:, 1:], 1, 0)
     xs = (js, rest, forced[:, 1:].T)
     _, (toks, probs) = jax.lax.scan(body, (ctx.g, tok0, buf_k, buf_v), xs)
     tokens = jnp.concatenate([tok0[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
