@@ -36,6 +36,9 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from dspark_jax.xla_cpu import apply_cpu_defaults  # noqa: E402
+
+apply_cpu_defaults()  # the XLA:CPU setting the project runs with, before a backend starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
