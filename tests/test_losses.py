@@ -21,6 +21,7 @@ from dspark_jax.testing import (
 from dspark_jax.train.anchors import AnchorBlocks, anchor_candidates, make_blocks, sample_anchors
 from dspark_jax.train.losses import (
     block_terms,
+    ce_and_l1,
     combine_terms,
     loss_fn,
     position_weights,
@@ -152,6 +153,45 @@ def test_block_terms_match_numpy_reference():
     loss_d, m_d = combine_terms(dfl, block_terms(dfl, logits, None, t_logits, blocks))
     np.testing.assert_allclose(float(loss_d), mean(ce), rtol=1e-5)
     assert float(m_d["bce"]) == 0.0 and "conf_abs_error" not in m_d
+
+
+def test_ce_and_l1_values_and_gradient_equal_autodiff_of_the_plain_form():
+    """The fused CE + L1 (own VJP) against log_softmax / exp / abs differentiated by autodiff,
+    with rows where p_d = p_t exactly (sign 0) and weights that differ per row."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(0, 2, (3, 5, 37)), jnp.float32)
+    t_logits = jnp.asarray(rng.normal(0, 2, (3, 5, 37)), jnp.float32).at[1, 2].set(logits[1, 2])
+    ids = jnp.asarray(rng.integers(0, 37, (3, 5)), jnp.int32)
+    a, b = (jnp.asarray(rng.uniform(0.1, 1, (3, 5)), jnp.float32) for _ in range(2))
+
+    def plain(lg, tl):
+        logp = jax.nn.log_softmax(lg, -1)
+        ce = -jnp.take_along_axis(logp, ids[..., None], -1)[..., 0]
+        return ce, jnp.abs(jnp.exp(logp) - jax.nn.softmax(jax.lax.stop_gradient(tl), -1)).sum(-1)
+
+    def fused(lg, tl):
+        return ce_and_l1(lg, jax.lax.stop_gradient(tl), ids)
+
+    for f in (plain, fused):
+        ce, l1 = f(logits, t_logits)
+        assert float(l1[1, 2]) < 1e-6
+    for want, got in zip(plain(logits, t_logits), fused(logits, t_logits)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    def weighted(f):
+        return lambda lg, tl: sum((w * x).sum() for w, x in zip((a, b), f(lg, tl)))
+
+    g_plain = jax.grad(weighted(plain), argnums=(0, 1))(logits, t_logits)
+    g_fused = jax.grad(weighted(fused), argnums=(0, 1))(logits, t_logits)
+    other = np.ones((3, 5), bool)
+    other[1, 2] = False  # |p_d − p_t| at 0: a subgradient, which rounding picks in the plain form
+    np.testing.assert_allclose(g_fused[0][other], g_plain[0][other], rtol=1e-5, atol=1e-7)
+    p_d = jax.nn.softmax(logits[1, 2])
+    ce_only = a[1, 2] * (p_d - (jnp.arange(37) == ids[1, 2]))  # sign 0: the L1 term adds nothing
+    np.testing.assert_allclose(g_fused[0][1, 2], ce_only, rtol=1e-5, atol=1e-7)
+    assert np.all(np.asarray(g_fused[1]) == 0)
+    g_jit = jax.jit(jax.grad(weighted(fused)))(logits, t_logits)
+    np.testing.assert_allclose(g_jit[other], g_plain[0][other], rtol=1e-5, atol=1e-7)
 
 
 def test_confidence_label_is_detached_and_target_gets_no_gradient():

@@ -102,6 +102,46 @@ def _check_batch(cfg: DrafterConfig, batch: Batch) -> None:
 # DSpark / DFlash (REFERENCE §4)
 
 
+@jax.custom_vjp
+def ce_and_l1(logits, target_logits, ids):
+    """Per row of fp32 logits [..., V]: CE = −log p_d[id] and L1 = ‖p_d − p_t‖₁ (in [0, 2]),
+    p_d = softmax(logits), p_t = softmax(target_logits); two arrays [...].
+
+    The same math as autodiff through log_softmax, exp and abs, with the gradient (w.r.t.
+    `logits` only; the target gets none) written as one pass over the vocabulary:
+        ∂/∂logits = g_ce·(p_d − onehot(id)) + g_l1·p_d ⊙ (s − Σ_v p_d s),  s = sign(p_d − p_t).
+    Autodiff instead kept and re-read several [..., V] intermediates; at the demo's sizes the
+    vocabulary-sized loss was the largest part of a drafter's step (benchmarks/drafter_step.py).
+    """
+    return _ce_and_l1_fwd(logits, target_logits, ids)[0]
+
+
+def _softmax_parts(logits, target_logits, lse, lse_t):
+    return jnp.exp(logits - lse), jnp.exp(target_logits - lse_t)
+
+
+def _ce_and_l1_fwd(logits, target_logits, ids):
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    lse_t = jax.nn.logsumexp(target_logits, axis=-1, keepdims=True)
+    p_d, p_t = _softmax_parts(logits, target_logits, lse, lse_t)
+    l1 = jnp.abs(p_d - p_t).sum(-1)
+    ce = lse[..., 0] - jnp.take_along_axis(logits, ids[..., None], axis=-1)[..., 0]
+    return (ce, l1), (logits, target_logits, ids, lse, lse_t)
+
+
+def _ce_and_l1_bwd(res, g):
+    logits, target_logits, ids, lse, lse_t = res
+    g_ce, g_l1 = g[0][..., None], g[1][..., None]
+    p_d, p_t = _softmax_parts(logits, target_logits, lse, lse_t)
+    ps = p_d * jnp.sign(p_d - p_t)
+    hit = jnp.arange(logits.shape[-1]) == ids[..., None]
+    d = g_ce * (p_d - hit) + g_l1 * (ps - p_d * ps.sum(-1, keepdims=True))
+    return d, jnp.zeros_like(target_logits), None
+
+
+ce_and_l1.defvjp(_ce_and_l1_fwd, _ce_and_l1_bwd)
+
+
 def block_terms(
     cfg: DrafterConfig,
     logits_BxNxGxV: jax.Array,
@@ -116,13 +156,10 @@ def block_terms(
     through p_d.
     """
     f32 = jnp.float32
-    logp_d = jax.nn.log_softmax(logits_BxNxGxV.astype(f32), axis=-1)
-    p_d = jnp.exp(logp_d)
-    p_t = jax.nn.softmax(jax.lax.stop_gradient(target_logits_BxNxGxV).astype(f32), axis=-1)
+    t_logits = jax.lax.stop_gradient(target_logits_BxNxGxV).astype(f32)
+    ce, l1 = ce_and_l1(logits_BxNxGxV.astype(f32), t_logits, blocks.target_ids)
     mask = blocks.eval_mask.astype(f32)  # [B, N, γ]
     w = position_weights(cfg)[None, None, :] * mask
-    ce = -jnp.take_along_axis(logp_d, blocks.target_ids[..., None], axis=-1)[..., 0]
-    l1 = jnp.abs(p_d - p_t).sum(-1)  # full L1 in [0, 2]
     acc = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))  # 1 − TV = c*
     den = w.sum()
     t = {
@@ -310,6 +347,7 @@ simulated_tau = block_tau  # τ per block [B] (REFERENCE §4.5), owned by spec.m
 __all__ = [
     "EPS",
     "block_terms",
+    "ce_and_l1",
     "combine_terms",
     "dspark_loss",
     "eagle3_loss",
