@@ -2,19 +2,19 @@
 
 The demo's target (configs/tiny.py: 16 layers x 160, vocab 2048, random init) gives one batch
 of the demo's micro-batch (4 sequences x 256 tokens, features from its 5 layers); the demo's
-DSpark and DFlash drafters (2-layer backbone, 128 anchor blocks of 7 per sequence) take the
-loss and gradient (`train.losses.loss_fn`) in two compiled programs each:
+DSpark and DFlash drafters (2-layer backbone, 128 anchor blocks of 7 per sequence) and its
+Eagle3 (1 layer, 7 training-time-test steps) take the loss and gradient (`train.losses.loss_fn`)
+in two compiled programs each:
 
 * ``current``: the library as it is (CE and L1 over the vocabulary with their own VJP,
-  `losses.ce_and_l1`);
+  `losses.ce_and_l1`; Eagle3's soft-label CE the same way);
 * ``baseline``: CE and L1 differentiated by autodiff through log-softmax, exp and abs, as they
   were written before.
 
 Compiled before timing, then timed interleaved; medians. Prints ONE JSON object:
 ``{kind}_step_ms`` / ``baseline_{kind}_step_ms``, ``speedup`` {kind: baseline / current},
 ``loss_diff`` and ``max_grad_diff`` {kind: current vs baseline, the same math}, ``reps``,
-``platform``. (Eagle3's loss is a soft-label CE over the target's distribution and does not
-use this function.)
+``platform``.
 
     python benchmarks/drafter_step.py [--reps 7]
 """
@@ -47,13 +47,14 @@ from dspark_jax.testing import drafter_batch  # noqa: E402
 from dspark_jax.train import losses  # noqa: E402
 
 
-def _ce_and_l1_autodiff(logits, target_logits, ids):
+def _ce_and_l1_autodiff(logits, p_t, ids=None):
     """CE and L1 as they were written before their own VJP (autodiff through every op)."""
     logp_d = jax.nn.log_softmax(logits, axis=-1)
-    p_d = jnp.exp(logp_d)
-    p_t = jax.nn.softmax(target_logits, axis=-1)
-    ce = -jnp.take_along_axis(logp_d, ids[..., None], axis=-1)[..., 0]
-    return ce, jnp.abs(p_d - p_t).sum(-1)
+    if ids is None:
+        ce = -(p_t * logp_d).sum(-1)
+    else:
+        ce = -jnp.take_along_axis(logp_d, ids[..., None], axis=-1)[..., 0]
+    return ce, jnp.abs(jnp.exp(logp_d) - p_t).sum(-1)
 
 
 def _compile(cfg, params, batch):
@@ -79,6 +80,7 @@ def main():
     dcfgs = {
         "dspark": DrafterConfig.dspark(tcfg, markov_rank=d.markov_rank, **common),
         "dflash": DrafterConfig.dflash(tcfg, **common),
+        "eagle3": DrafterConfig.eagle3(tcfg, block_size=d.block_size),
     }
     progs, params = {}, {}
     for kind, c in dcfgs.items():

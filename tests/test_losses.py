@@ -155,43 +155,59 @@ def test_block_terms_match_numpy_reference():
     assert float(m_d["bce"]) == 0.0 and "conf_abs_error" not in m_d
 
 
-def test_ce_and_l1_values_and_gradient_equal_autodiff_of_the_plain_form():
+@pytest.mark.parametrize("soft", [False, True])
+def test_ce_and_l1_values_and_gradient_equal_autodiff_of_the_plain_form(soft):
     """The fused CE + L1 (own VJP) against log_softmax / exp / abs differentiated by autodiff,
-    with rows where p_d = p_t exactly (sign 0) and weights that differ per row."""
+    hard labels (DSpark / DFlash) and soft ones (Eagle3), with a row where p_d = p_t exactly
+    (sign 0), weights that differ per row, and each output alone carrying the gradient."""
     rng = np.random.default_rng(3)
     logits = jnp.asarray(rng.normal(0, 2, (3, 5, 37)), jnp.float32)
     t_logits = jnp.asarray(rng.normal(0, 2, (3, 5, 37)), jnp.float32).at[1, 2].set(logits[1, 2])
-    ids = jnp.asarray(rng.integers(0, 37, (3, 5)), jnp.int32)
+    p_t = jax.nn.softmax(t_logits, -1)
+    ids = None if soft else jnp.asarray(rng.integers(0, 37, (3, 5)), jnp.int32)
     a, b = (jnp.asarray(rng.uniform(0.1, 1, (3, 5)), jnp.float32) for _ in range(2))
 
-    def plain(lg, tl):
+    def plain(lg, pt):
         logp = jax.nn.log_softmax(lg, -1)
-        ce = -jnp.take_along_axis(logp, ids[..., None], -1)[..., 0]
-        return ce, jnp.abs(jnp.exp(logp) - jax.nn.softmax(jax.lax.stop_gradient(tl), -1)).sum(-1)
+        pt = jax.lax.stop_gradient(pt)
+        if soft:
+            ce = -(pt * logp).sum(-1)
+        else:
+            ce = -jnp.take_along_axis(logp, ids[..., None], -1)[..., 0]
+        return ce, jnp.abs(jnp.exp(logp) - pt).sum(-1)
 
-    def fused(lg, tl):
-        return ce_and_l1(lg, jax.lax.stop_gradient(tl), ids)
+    def fused(lg, pt):
+        return ce_and_l1(lg, pt, ids)
 
-    for f in (plain, fused):
-        ce, l1 = f(logits, t_logits)
-        assert float(l1[1, 2]) < 1e-6
-    for want, got in zip(plain(logits, t_logits), fused(logits, t_logits)):
+    for want, got in zip(plain(logits, p_t), fused(logits, p_t)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert float(fused(logits, p_t)[1][1, 2]) < 1e-6
 
-    def weighted(f):
-        return lambda lg, tl: sum((w * x).sum() for w, x in zip((a, b), f(lg, tl)))
-
-    g_plain = jax.grad(weighted(plain), argnums=(0, 1))(logits, t_logits)
-    g_fused = jax.grad(weighted(fused), argnums=(0, 1))(logits, t_logits)
     other = np.ones((3, 5), bool)
     other[1, 2] = False  # |p_d − p_t| at 0: a subgradient, which rounding picks in the plain form
-    np.testing.assert_allclose(g_fused[0][other], g_plain[0][other], rtol=1e-5, atol=1e-7)
-    p_d = jax.nn.softmax(logits[1, 2])
-    ce_only = a[1, 2] * (p_d - (jnp.arange(37) == ids[1, 2]))  # sign 0: the L1 term adds nothing
-    np.testing.assert_allclose(g_fused[0][1, 2], ce_only, rtol=1e-5, atol=1e-7)
-    assert np.all(np.asarray(g_fused[1]) == 0)
-    g_jit = jax.jit(jax.grad(weighted(fused)))(logits, t_logits)
-    np.testing.assert_allclose(g_jit[other], g_plain[0][other], rtol=1e-5, atol=1e-7)
+    y = p_t[1, 2] if soft else (jnp.arange(37) == ids[1, 2])
+    ce_grad_12 = a[1, 2] * (jax.nn.softmax(logits[1, 2]) - y)
+    for wa, wb in [(a, b), (a, None), (None, b)]:  # None: that output is detached
+
+        def weighted(f, wa=wa, wb=wb):
+            def loss(lg, pt):
+                ce, l1 = f(lg, pt)
+                ce = ce if wa is not None else jax.lax.stop_gradient(ce)
+                l1 = l1 if wb is not None else jax.lax.stop_gradient(l1)
+                return (ce * (1 if wa is None else wa)).sum() + (
+                    l1 * (1 if wb is None else wb)
+                ).sum()
+
+            return loss
+
+        g_plain = jax.grad(weighted(plain), argnums=(0, 1))(logits, p_t)
+        g_fused = jax.grad(weighted(fused), argnums=(0, 1))(logits, p_t)
+        np.testing.assert_allclose(g_fused[0][other], g_plain[0][other], rtol=1e-5, atol=1e-7)
+        assert np.all(np.asarray(g_fused[1]) == 0)
+        g_jit = jax.jit(jax.grad(weighted(fused)))(logits, p_t)
+        np.testing.assert_allclose(g_jit[other], g_plain[0][other], rtol=1e-5, atol=1e-7)
+        if wb is None:  # sign 0 row: with only CE carrying gradient it is exactly CE's
+            np.testing.assert_allclose(g_fused[0][1, 2], ce_grad_12, rtol=1e-5, atol=1e-7)
 
 
 def test_confidence_label_is_detached_and_target_gets_no_gradient():

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters.api import build
@@ -102,44 +103,63 @@ def _check_batch(cfg: DrafterConfig, batch: Batch) -> None:
 # DSpark / DFlash (REFERENCE §4)
 
 
-@jax.custom_vjp
-def ce_and_l1(logits, target_logits, ids):
-    """Per row of fp32 logits [..., V]: CE = −log p_d[id] and L1 = ‖p_d − p_t‖₁ (in [0, 2]),
-    p_d = softmax(logits), p_t = softmax(target_logits); two arrays [...].
+def ce_and_l1(logits, p_t, ids=None):
+    """Per row of fp32 logits [..., V], p_d = softmax(logits), against the target distribution
+    p_t [..., V]: CE and L1 = ‖p_d − p_t‖₁ (in [0, 2]), two arrays [...]. CE is −log p_d[id]
+    against the token `ids` [...] (DSpark / DFlash), or the soft-label −Σ_v p_t log p_d when
+    `ids` is None (Eagle3).
 
     The same math as autodiff through log_softmax, exp and abs, with the gradient (w.r.t.
-    `logits` only; the target gets none) written as one pass over the vocabulary:
-        ∂/∂logits = g_ce·(p_d − onehot(id)) + g_l1·p_d ⊙ (s − Σ_v p_d s),  s = sign(p_d − p_t).
-    Autodiff instead kept and re-read several [..., V] intermediates; at the demo's sizes the
-    vocabulary-sized loss was the largest part of a drafter's step (benchmarks/drafter_step.py).
+    `logits` only; p_t gets none) written as one pass over the vocabulary,
+        ∂/∂logits = g_ce·(p_d Σ_v y − y) + g_l1·p_d ⊙ (s − Σ_v p_d s),  s = sign(p_d − p_t),
+    y = onehot(id) or p_t; a term whose output carries no gradient (DFlash's L1, Eagle3's
+    detached L1) is skipped. Autodiff instead kept and re-read several [..., V] intermediates;
+    at the demo's sizes the vocabulary-sized loss was the largest part of a drafter's step
+    (benchmarks/drafter_step.py).
     """
-    return _ce_and_l1_fwd(logits, target_logits, ids)[0]
+    return _ce_and_l1(logits, p_t, ids)
 
 
-def _softmax_parts(logits, target_logits, lse, lse_t):
-    return jnp.exp(logits - lse), jnp.exp(target_logits - lse_t)
-
-
-def _ce_and_l1_fwd(logits, target_logits, ids):
+def _ce_and_l1_values(logits, p_t, ids):
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    lse_t = jax.nn.logsumexp(target_logits, axis=-1, keepdims=True)
-    p_d, p_t = _softmax_parts(logits, target_logits, lse, lse_t)
-    l1 = jnp.abs(p_d - p_t).sum(-1)
-    ce = lse[..., 0] - jnp.take_along_axis(logits, ids[..., None], axis=-1)[..., 0]
-    return (ce, l1), (logits, target_logits, ids, lse, lse_t)
+    l1 = jnp.abs(jnp.exp(logits - lse) - p_t).sum(-1)
+    if ids is None:
+        ce = (p_t * (lse - logits)).sum(-1)
+    else:
+        ce = lse[..., 0] - jnp.take_along_axis(logits, ids[..., None], axis=-1)[..., 0]
+    return (ce, l1), lse
+
+
+@jax.custom_vjp
+def _ce_and_l1(logits, p_t, ids):
+    return _ce_and_l1_values(logits, p_t, ids)[0]
+
+
+def _ce_and_l1_fwd(logits, p_t, ids):
+    # symbolic_zeros=True: the arguments come wrapped (CustomVJPPrimal), the cotangents of
+    # outputs that carry no gradient come as SymbolicZero
+    logits, p_t, ids = (None if a is None else a.value for a in (logits, p_t, ids))
+    out, lse = _ce_and_l1_values(logits, p_t, ids)
+    return out, (logits, p_t, ids, lse)
 
 
 def _ce_and_l1_bwd(res, g):
-    logits, target_logits, ids, lse, lse_t = res
-    g_ce, g_l1 = g[0][..., None], g[1][..., None]
-    p_d, p_t = _softmax_parts(logits, target_logits, lse, lse_t)
-    ps = p_d * jnp.sign(p_d - p_t)
-    hit = jnp.arange(logits.shape[-1]) == ids[..., None]
-    d = g_ce * (p_d - hit) + g_l1 * (ps - p_d * ps.sum(-1, keepdims=True))
-    return d, jnp.zeros_like(target_logits), None
+    logits, p_t, ids, lse = res
+    g_ce, g_l1 = (None if isinstance(x, SymbolicZero) else x[..., None] for x in g)
+    p_d = jnp.exp(logits - lse)
+    d = jnp.zeros_like(logits)
+    if g_ce is not None:
+        if ids is None:
+            d = g_ce * (p_d * p_t.sum(-1, keepdims=True) - p_t)
+        else:
+            d = g_ce * (p_d - (jnp.arange(logits.shape[-1]) == ids[..., None]))
+    if g_l1 is not None:
+        ps = p_d * jnp.sign(p_d - p_t)
+        d = d + g_l1 * (ps - p_d * ps.sum(-1, keepdims=True))
+    return d, None, None
 
 
-ce_and_l1.defvjp(_ce_and_l1_fwd, _ce_and_l1_bwd)
+_ce_and_l1.defvjp(_ce_and_l1_fwd, _ce_and_l1_bwd, symbolic_zeros=True)
 
 
 def block_terms(
@@ -156,8 +176,8 @@ def block_terms(
     through p_d.
     """
     f32 = jnp.float32
-    t_logits = jax.lax.stop_gradient(target_logits_BxNxGxV).astype(f32)
-    ce, l1 = ce_and_l1(logits_BxNxGxV.astype(f32), t_logits, blocks.target_ids)
+    p_t = jax.nn.softmax(jax.lax.stop_gradient(target_logits_BxNxGxV).astype(f32), axis=-1)
+    ce, l1 = ce_and_l1(logits_BxNxGxV.astype(f32), p_t, blocks.target_ids)
     mask = blocks.eval_mask.astype(f32)  # [B, N, γ]
     w = position_weights(cfg)[None, None, :] * mask
     acc = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))  # 1 − TV = c*
@@ -298,17 +318,15 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
     top_all = jnp.argmax(t_logits, -1)
     uniform = 1.0 / jnp.asarray(t_logits.shape[-1], f32)
     for k in range(cfg.block_size):
-        logp_d = jax.nn.log_softmax(model.logits(g_steps[k]).astype(f32), axis=-1)
+        logits = model.logits(g_steps[k]).astype(f32)
         p_t = _shift_left(p_all, k + 1, fill=uniform)
         mk = _shift_left(lm, k)
-        ce = -(p_t * logp_d).sum(-1)
+        ce, l1 = ce_and_l1(logits, p_t)  # soft-label CE; L1 only for the (detached) metric
         step = ((mk * ce).sum(1) * inv_len).sum() / n_rows
         total = total + (cfg.step_loss_decay**k) * step
         ce_k.append(step)
-        acc = jax.lax.stop_gradient(
-            jnp.clip(1.0 - 0.5 * jnp.abs(jnp.exp(logp_d) - p_t).sum(-1), 0.0, 1.0)
-        )
-        hit = (jnp.argmax(logp_d, -1) == _shift_left(top_all, k + 1)).astype(f32)
+        acc = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
+        hit = (jnp.argmax(logits, -1) == _shift_left(top_all, k + 1)).astype(f32)
         accs.append(acc * mk)
         match.append(hit * mk)
         tv_num.append((acc * mk).sum())
