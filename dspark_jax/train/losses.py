@@ -152,7 +152,8 @@ def _ce_and_l1_bwd(res, g):
         if ids is None:
             d = g_ce * (p_d * p_t.sum(-1, keepdims=True) - p_t)
         else:
-            d = g_ce * (p_d - (jnp.arange(logits.shape[-1]) == ids[..., None]))
+            hit = jnp.arange(logits.shape[-1]) == ids[..., None]
+            d = g_ce * jnp.where(hit, p_d - 1.0, p_d)
     if g_l1 is not None:
         ps = p_d * jnp.sign(p_d - p_t)
         d = d + g_l1 * (ps - p_d * ps.sum(-1, keepdims=True))
