@@ -1,17 +1,17 @@
 """The XLA:CPU fusion setting `train.py`, `serve.py`, the tests and the benchmarks run with.
 
 XLA:CPU hands some fused computations to YNNPACK. Its default also gives it reductions, and on
-the drafters' vocabulary-sized loss (log-softmax, softmax, L1 over [tokens, V]) those fused
-reductions were the slowest kernels of a training step. Restricting YNNPACK to dot and
-elementwise fusions (`--xla_cpu_experimental_ynn_fusion_type=dot,eltwise`) measured, on the
-demo's models, interleaved in one session (2 cores, jaxlib 0.10.2):
+the vocabulary-sized parts of training (log-softmax, softmax, L1 over [tokens, V]) those fused
+reductions were the slowest kernels of a step. Restricting YNNPACK to dot and elementwise
+fusions (`--xla_cpu_experimental_ynn_fusion_type=dot,eltwise`) measured on the demo's models
+(2 cores, jaxlib 0.10.2; benchmarks/xla_cpu_flags.py re-measures it):
 
+    target training step (16 x 256)            ~1.94 s -> ~1.56 s
     DSpark micro-step (loss + grad, 4 x 256)   ~485 ms -> ~340 ms
-    DFlash micro-step                          ~347 ms -> ~292 ms
-    Eagle3 micro-step                          ~359 ms -> ~354 ms
-    target training step (16 x 256)           ~1936 ms -> ~1558 ms
-    8-token verify forward, batch 1             5.1 ms -> 3.9 ms
-    batch-32 decode step                        657 ms -> 648 ms
+    DFlash / Eagle3 micro-step                 ~1.2x / unchanged
+    the demo's target + drafters stages        387 + 818 s -> 330 + 696 s (demo 28.6 -> 25.8 min)
+    plain batch-1 decoding (generate)          ~1.2-1.5x faster per token
+    a speculative round (engine, batch 1)      not faster (overhead-bound: many small ops)
 
 XLA reads XLA_FLAGS once, when JAX starts its first backend, and aborts on a flag it does not
 know. So the flag is added only before that (call `apply_cpu_defaults()` first thing), only
