@@ -42,9 +42,6 @@ def main(argv=None) -> int:
     g.add_argument("--cost-profile", default="", help="decode_cost.py JSON (SPS(B) table)")
     g.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from dspark_jax.xla_cpu import apply_cpu_defaults
-
-    apply_cpu_defaults()  # XLA reads its flags when the first backend starts
     from dspark_jax.engine import server_cli  # `serve` and `bench` (HTTP server, load test)
     from dspark_jax.parallel import add_distributed_flags, init_distributed
 

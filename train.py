@@ -56,9 +56,6 @@ def main(argv=None) -> int:
     ap.add_argument("--run-dir", default="", help="override run_dir")
     ap.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from dspark_jax.xla_cpu import apply_cpu_defaults
-
-    apply_cpu_defaults()  # XLA reads its flags when the first backend starts
     from dspark_jax.compile_cache import enable_compilation_cache
     from dspark_jax.parallel import add_distributed_flags, init_distributed
 

@@ -36,9 +36,6 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dspark_jax.xla_cpu import apply_cpu_defaults  # noqa: E402
-
-apply_cpu_defaults()  # the XLA:CPU setting the project runs with, before a backend starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -94,8 +91,9 @@ class _Baseline:
          eagle3_mod.draft_noise, eagle3_mod.draw_tokens) = self.saved  # fmt: skip
 
 
-def _programs(tcfg, tparams, ds):
-    """name -> (compiled program, its arguments); traced under the current swap state."""
+def _programs(tcfg, tparams, ds, options=None):
+    """name -> (compiled program, its arguments); traced under the current swap state;
+    `options`: compiler options (None: XLA's default, what decoding compiles with)."""
     rng = np.random.default_rng(0)
     out = {}
 
@@ -111,7 +109,7 @@ def _programs(tcfg, tparams, ds):
     cache = tf.init_cache(tcfg, 32, CACHE).with_lengths(jnp.full((32,), 100, jnp.int32))
     tok = jnp.asarray(rng.integers(5, tcfg.vocab_size, (32, 1)), jnp.int32)
     out["decode_b32"] = (
-        jax.jit(decode).lower(tparams, cache, tok).compile(),
+        jax.jit(decode).lower(tparams, cache, tok).compile(options),
         (tparams, cache, tok),
     )
 
@@ -123,7 +121,10 @@ def _programs(tcfg, tparams, ds):
 
     c1 = tf.init_cache(tcfg, 1, CACHE).with_lengths(jnp.array([100], jnp.int32))
     toks = jnp.asarray(rng.integers(5, tcfg.vocab_size, (GAMMA + 1,)), jnp.int32)
-    out["verify_b1"] = (jax.jit(verify).lower(tparams, c1, toks).compile(), (tparams, c1, toks))
+    out["verify_b1"] = (
+        jax.jit(verify).lower(tparams, c1, toks).compile(options),
+        (tparams, c1, toks),
+    )
 
     feats = tf.forward(tcfg, tparams, tok[:1, :1].repeat(40, 1), jnp.arange(40)[None], None)[0]
     for kind, (dcfg, dparams) in ds.items():
@@ -138,7 +139,7 @@ def _programs(tcfg, tparams, ds):
             return p.tokens, p.probs
 
         args = (dparams, ctx, nxt[:, -1], jax.random.key(3), jnp.zeros((1,), jnp.uint32))
-        out[f"propose_{kind}"] = (jax.jit(propose).lower(*args).compile(), args)
+        out[f"propose_{kind}"] = (jax.jit(propose).lower(*args).compile(options), args)
     return out
 
 

@@ -31,9 +31,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from dspark_jax.xla_cpu import apply_cpu_defaults  # noqa: E402
-
-apply_cpu_defaults()  # the XLA:CPU setting the project runs with, before a backend starts
 
 from dspark_jax import drafters  # noqa: E402
 from dspark_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids  # noqa: E402

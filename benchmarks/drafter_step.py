@@ -32,10 +32,6 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dspark_jax.xla_cpu import apply_cpu_defaults  # noqa: E402
-
-apply_cpu_defaults()  # the XLA:CPU setting the project runs with, before a backend starts
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -45,6 +41,7 @@ from dspark_jax.config import DrafterConfig  # noqa: E402
 from dspark_jax.models import transformer as tf  # noqa: E402
 from dspark_jax.testing import drafter_batch  # noqa: E402
 from dspark_jax.train import losses  # noqa: E402
+from dspark_jax.xla_cpu import training_compiler_options  # noqa: E402
 
 
 def _ce_and_l1_autodiff(logits, p_t, ids=None):
@@ -57,10 +54,12 @@ def _ce_and_l1_autodiff(logits, p_t, ids=None):
     return ce, jnp.abs(jnp.exp(logp_d) - p_t).sum(-1)
 
 
-def _compile(cfg, params, batch):
+def _compile(cfg, params, batch, options="training"):
+    """Compiled loss + grad; `options` "training": the options the trainer compiles with."""
+    options = training_compiler_options() if options == "training" else options
     f = functools.partial(losses.loss_fn, cfg)
     g = jax.jit(jax.value_and_grad(lambda tr, b, k: f(tr, params.frozen, b, k), has_aux=True))
-    return g.lower(params.trainable, batch, jax.random.key(0)).compile()
+    return g.lower(params.trainable, batch, jax.random.key(0)).compile(options)
 
 
 def main():

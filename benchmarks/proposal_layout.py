@@ -37,9 +37,6 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from dspark_jax.xla_cpu import apply_cpu_defaults  # noqa: E402
-
-apply_cpu_defaults()  # the XLA:CPU setting the project runs with, before a backend starts
 
 from configs import tiny  # noqa: E402
 from dspark_jax import drafters  # noqa: E402

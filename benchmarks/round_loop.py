@@ -30,9 +30,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from dspark_jax.xla_cpu import apply_cpu_defaults  # noqa: E402
-
-apply_cpu_defaults()  # the XLA:CPU setting the project runs with, before a backend starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -29,9 +29,6 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dspark_jax.xla_cpu import apply_cpu_defaults  # noqa: E402
-
-apply_cpu_defaults()  # the XLA:CPU setting the project runs with, before a backend starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -40,6 +37,7 @@ import numpy as np  # noqa: E402
 from dspark_jax.models import layers  # noqa: E402
 from dspark_jax.models.transformer import init_params  # noqa: E402
 from dspark_jax.train import lm  # noqa: E402
+from dspark_jax.xla_cpu import training_compiler_options  # noqa: E402
 
 
 def _softmax_autodiff(scores, masks):
@@ -66,9 +64,11 @@ def _rope_split(x, positions, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def _compile(cfg, params, batch):
+def _compile(cfg, params, batch, options="training"):
+    """Compiled loss + grad; `options` "training": the options `train_lm` compiles with."""
+    options = training_compiler_options() if options == "training" else options
     f = jax.jit(jax.value_and_grad(functools.partial(lm._loss, cfg)))
-    return f.lower(params, batch).compile()
+    return f.lower(params, batch).compile(options)
 
 
 def main():

@@ -1,15 +1,16 @@
-"""The project's XLA:CPU fusion setting (`dspark_jax/xla_cpu.py`) against XLA's default.
+"""The training steps' XLA:CPU compiler option (`dspark_jax/xla_cpu.py`) against XLA's default.
 
-XLA reads its flags once per process, so each setting runs in its own processes, alternated:
-`target_step.py` (the demo target's loss + grad), `drafter_step.py` (the demo's three drafters'
-micro-steps) and `decode_paths.py` (batch-32 decode, the 8-token verify forward at batch 1,
-DSpark and Eagle3 proposals), each with DSPARK_XLA_CPU_DEFAULTS=off (XLA's default) and without
-it (the project's setting). Only their ``current`` programs are read. Prints ONE JSON object:
-``{program}_ms`` / ``default_{program}_ms`` (medians over the rounds), ``speedup`` {program:
-default / set}, ``flag`` (what the project adds, null when this jaxlib is not one it was checked
-on: then both columns are XLA's default), ``rounds``, ``platform``.
+Every program of the demo that the option could go to, compiled twice in one process (with the
+option, and with XLA's default) and timed interleaved, medians: the demo target's loss + grad
+(`target_step.py`), the demo's three drafters' micro-steps (`drafter_step.py`), and the
+decoding programs of `decode_paths.py` (32 decode steps at batch 32, the 8-token verify forward
+at batch 1, DSpark and Eagle3 proposals), all at the demo's sizes with random weights. The
+library gives the option to the training programs only; the decoding rows show why.
 
-    python benchmarks/xla_cpu_flags.py [--rounds 1] [--reps 5]
+Prints ONE JSON object: ``{program}_ms`` (with the option) / ``default_{program}_ms``,
+``speedup`` {program: default / with}, ``option``, ``reps``, ``platform``.
+
+    python benchmarks/xla_cpu_flags.py [--reps 5]
 
 Re-run it before adding a jaxlib release to `xla_cpu.CHECKED_JAXLIB`.
 """
@@ -17,65 +18,84 @@ Re-run it before adding a jaxlib release to `xla_cpu.CHECKED_JAXLIB`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
-import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-from dspark_jax import xla_cpu  # noqa: E402
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 
-READ = {
-    "target_step.py": {"target_step": "step_ms"},
-    "drafter_step.py": {f"{k}_step": f"{k}_step_ms" for k in ("dspark", "dflash", "eagle3")},
-    "decode_paths.py": {
-        k: f"{k}_ms" for k in ("decode_b32", "verify_b1", "propose_dspark", "propose_eagle3")
-    },
-}
+import decode_paths  # noqa: E402
+import drafter_step  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import target_step  # noqa: E402
 
-
-def _child(script: str, reps: int, default: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", xla_cpu.ENV)}
-    env["JAX_PLATFORMS"] = "cpu"
-    if default:
-        env[xla_cpu.ENV] = "off"
-    out = subprocess.run(
-        [sys.executable, os.path.join(HERE, script), "--reps", str(reps)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+from dspark_jax import drafters, xla_cpu  # noqa: E402
+from dspark_jax.config import DrafterConfig  # noqa: E402
+from dspark_jax.models import transformer as tf  # noqa: E402
+from dspark_jax.testing import drafter_batch  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    flag = xla_cpu.apply_cpu_defaults({})
-    times: dict[tuple[str, bool], list[float]] = {}
-    for r in range(args.rounds):
-        for script, keys in READ.items():
-            order = (True, False) if r % 2 == 0 else (False, True)
-            for default in order:
-                res = _child(script, args.reps, default)
-                for name, key in keys.items():
-                    times.setdefault((name, default), []).append(res[key])
-                print(f"{script} {'default' if default else 'set'} done", file=sys.stderr)
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    names = [n for keys in READ.values() for n in keys]
+    from configs.tiny import config
+
+    option = {xla_cpu.OPTION: xla_cpu.VALUE}
+    cfg = config()
+    tcfg = dataclasses.replace(cfg.target.model, vocab_size=2048)
+    tparams = tf.init_params(tcfg, 0)
+    d = cfg.drafters
+    windows = jnp.asarray(np.random.default_rng(0).integers(1, 2048, size=(16, 257)), jnp.int32)
+    batch = drafter_batch(tcfg, tparams, batch=d.train.micro_batch_size,
+                          length=d.train.seq_buckets[-1], prompt=20)  # fmt: skip
+    common = dict(block_size=d.block_size, num_layers=d.num_layers, num_anchors=d.num_anchors,
+                  mask_token_id=tcfg.vocab_size - 1)  # fmt: skip
+    dcfgs = {
+        "dspark": DrafterConfig.dspark(tcfg, markov_rank=d.markov_rank, **common),
+        "dflash": DrafterConfig.dflash(tcfg, **common),
+        "eagle3": DrafterConfig.eagle3(tcfg, block_size=d.block_size),
+    }
+    dparams = {k: drafters.init_params(c, target_params=tparams) for k, c in dcfgs.items()}
+    progs = {}  # (name, with option?) -> (compiled, args)
+    for opt in (False, True):
+        o = option if opt else None
+        progs[("target_step", opt)] = (target_step._compile(tcfg, tparams, windows, o),
+                                       (tparams, windows))  # fmt: skip
+        for k, c in dcfgs.items():
+            a = (dparams[k].trainable, batch, jax.random.key(0))
+            progs[(f"{k}_step", opt)] = (drafter_step._compile(c, dparams[k], batch, o), a)
+        ds = {k: (dcfgs[k], dparams[k]) for k in ("dspark", "eagle3")}
+        for name, pa in decode_paths._programs(tcfg, tparams, ds, o).items():
+            progs[(name, opt)] = pa
+    for p, a in progs.values():
+        jax.block_until_ready(p(*a))
+    times = {k: [] for k in progs}
+    for _ in range(args.reps):
+        for k, (p, a) in progs.items():
+            reps = 20 if k[0].startswith(("verify", "propose")) else 1
+            t = time.perf_counter()
+            for _ in range(reps):
+                r = p(*a)
+            jax.block_until_ready(r)
+            times[k].append((time.perf_counter() - t) / reps)
+    med = {k: float(np.median(v)) * 1000 for k, v in times.items()}
+    names = list(dict.fromkeys(n for n, _ in progs))
     res = {}
     for n in names:
-        res[f"{n}_ms"] = round(med[(n, False)], 3)
-        res[f"default_{n}_ms"] = round(med[(n, True)], 3)
-    res["speedup"] = {n: round(med[(n, True)] / med[(n, False)], 3) for n in names}
-    res["flag"] = flag
-    res["rounds"] = args.rounds
-    res["platform"] = f"{platform.machine()} x{os.cpu_count()}"
+        res[f"{n}_ms"] = round(med[(n, True)], 3)
+        res[f"default_{n}_ms"] = round(med[(n, False)], 3)
+    res["speedup"] = {n: round(med[(n, False)] / med[(n, True)], 3) for n in names}
+    res["option"] = option
+    res["reps"] = args.reps
+    res["platform"] = f"{platform.machine()} {jax.default_backend()} x{os.cpu_count()}"
     print(json.dumps(res))
 
 

@@ -1,23 +1,24 @@
-"""The XLA:CPU fusion setting `train.py`, `serve.py`, the tests and the benchmarks run with.
+"""The XLA:CPU compiler option the training steps are compiled with (and only they).
 
 XLA:CPU hands some fused computations to YNNPACK. Its default also gives it reductions, and on
 the vocabulary-sized parts of training (log-softmax, softmax, L1 over [tokens, V]) those fused
-reductions were the slowest kernels of a step. Restricting YNNPACK to dot and elementwise
-fusions (`--xla_cpu_experimental_ynn_fusion_type=dot,eltwise`) measured on the demo's models
-(2 cores, jaxlib 0.10.2; benchmarks/xla_cpu_flags.py re-measures it):
+reductions were the slowest kernels of a step. Compiling a program with YNNPACK restricted to
+dot and elementwise fusions (`xla_cpu_experimental_ynn_fusion_type`) measured, on the demo's
+models, in one session (2 cores, jaxlib 0.10.2; benchmarks/xla_cpu_flags.py re-measures it):
 
-    target training step (16 x 256)            ~1.94 s -> ~1.56 s
-    DSpark micro-step (loss + grad, 4 x 256)   ~485 ms -> ~340 ms
-    DFlash / Eagle3 micro-step                 ~1.2x / unchanged
-    the demo's target + drafters stages        387 + 818 s -> 330 + 696 s (demo 28.6 -> 25.8 min)
-    plain batch-1 decoding (generate)          ~1.2-1.5x faster per token
-    a speculative round (engine, batch 1)      not faster (overhead-bound: many small ops)
+    target training step (16 x 256)            1.22x faster
+    DSpark / DFlash / Eagle3 micro-step        1.46x / 1.43x / 1.15x faster
+    8-token verify forward, batch 1            0.81x (slower)
+    DSpark / Eagle3 proposal                   0.93x / 0.78x (slower)
+    32 decode steps at batch 32                0.94x
 
-XLA reads XLA_FLAGS once, when JAX starts its first backend, and aborts on a flag it does not
-know. So the flag is added only before that (call `apply_cpu_defaults()` first thing), only
-for jaxlib releases it was checked on (the option is experimental and may be renamed), and
-never over a setting of the same option the user already has in XLA_FLAGS.
-DSPARK_XLA_CPU_DEFAULTS=off turns it off.
+So the option goes to the training programs (the target's step, the drafter trainer's micro-,
+update and eval steps) as a per-program compiler option, and every decoding program (generate,
+the serving engine, the drafters' proposals) keeps XLA's default. A per-program option never
+changes another program, and an option a jaxlib does not know is a compile error rather than
+the abort an unknown XLA_FLAGS entry is; still, it is given only on the jaxlib releases it was
+checked on (the option is experimental and may be renamed), only on the CPU backend, and never
+when the user set the same option in XLA_FLAGS. DSPARK_XLA_CPU_TRAINING=off turns it off.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from __future__ import annotations
 import os
 from importlib import metadata
 
-OPTION = "--xla_cpu_experimental_ynn_fusion_type"
-VALUE = "dot,eltwise"
+OPTION = "xla_cpu_experimental_ynn_fusion_type"
+VALUE = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"
 CHECKED_JAXLIB = ((0, 10),)  # (major, minor) releases the option exists in and was measured on
-ENV = "DSPARK_XLA_CPU_DEFAULTS"
+ENV = "DSPARK_XLA_CPU_TRAINING"
 
 
 def _jaxlib_release() -> tuple[int, int] | None:
@@ -39,15 +40,15 @@ def _jaxlib_release() -> tuple[int, int] | None:
         return None
 
 
-def apply_cpu_defaults(environ=os.environ) -> str | None:
-    """Append the fusion setting to XLA_FLAGS when it is safe; returns what was added or None.
+def training_compiler_options(environ=os.environ) -> dict[str, str] | None:
+    """`compiler_options` for `jax.jit` of a training step: {OPTION: VALUE}, or None where it
+    does not apply (another backend, an unchecked jaxlib, turned off, the user's own setting)."""
+    import jax
 
-    Has an effect only if no JAX backend has started yet in this process."""
     if environ.get(ENV, "").strip().lower() in ("0", "off", "none", "false"):
         return None
-    flags = environ.get("XLA_FLAGS", "")
-    if OPTION in flags or _jaxlib_release() not in CHECKED_JAXLIB:
+    if OPTION in environ.get("XLA_FLAGS", "") or _jaxlib_release() not in CHECKED_JAXLIB:
         return None
-    added = f"{OPTION}={VALUE}"
-    environ["XLA_FLAGS"] = f"{flags} {added}".strip()
-    return added
+    if jax.default_backend() != "cpu":
+        return None
+    return {OPTION: VALUE}

@@ -6,10 +6,6 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-from dspark_jax.xla_cpu import apply_cpu_defaults  # noqa: E402
-
-apply_cpu_defaults()  # the XLA:CPU setting train.py and serve.py run with
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -1,55 +1,62 @@
-"""The XLA:CPU setting: added only when safe, never over the user's own, and accepted by XLA."""
+"""The training steps' XLA:CPU option: given only where it applies, accepted by the installed
+jaxlib with the same results, and wired into the target's and the drafter trainer's steps."""
 
-import os
-import subprocess
-import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from dspark_jax import xla_cpu
+from dspark_jax.train import lm, steps
+
+BAD = {xla_cpu.OPTION: "NOT_A_FUSION_TYPE"}  # XLA rejects it at compile time
 
 
-def test_added_once_and_never_over_the_users_setting(monkeypatch):
+def test_given_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(xla_cpu, "_jaxlib_release", lambda: xla_cpu.CHECKED_JAXLIB[0])
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    added = xla_cpu.apply_cpu_defaults(env)
-    assert added == f"{xla_cpu.OPTION}={xla_cpu.VALUE}"
-    assert env["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 {added}"
-    assert xla_cpu.apply_cpu_defaults(env) is None  # a second call adds nothing
-    assert env["XLA_FLAGS"].count(xla_cpu.OPTION) == 1
-
-    users = {"XLA_FLAGS": f"{xla_cpu.OPTION}=dot"}
-    assert xla_cpu.apply_cpu_defaults(users) is None
-    assert users["XLA_FLAGS"] == f"{xla_cpu.OPTION}=dot"
-
-    off = {xla_cpu.ENV: "off"}
-    assert xla_cpu.apply_cpu_defaults(off) is None and "XLA_FLAGS" not in off
-
-
-def test_not_added_for_a_jaxlib_it_was_not_checked_on(monkeypatch):
-    # XLA aborts the process on an option it does not know: an unchecked release gets nothing
-    for release in [(0, 6), (1, 0), None]:
+    assert xla_cpu.training_compiler_options({}) == {xla_cpu.OPTION: xla_cpu.VALUE}
+    assert xla_cpu.training_compiler_options({"XLA_FLAGS": "--xla_cpu_use_xnnpack=true"})
+    # the user's own setting of the option wins, and the switch turns it off
+    users = {"XLA_FLAGS": f"--{xla_cpu.OPTION}=dot"}
+    assert xla_cpu.training_compiler_options(users) is None
+    assert xla_cpu.training_compiler_options({xla_cpu.ENV: "off"}) is None
+    for release in [(0, 6), (1, 0), None]:  # releases it was not checked on
         monkeypatch.setattr(xla_cpu, "_jaxlib_release", lambda r=release: r)
-        env = {}
-        assert xla_cpu.apply_cpu_defaults(env) is None and env == {}
+        assert xla_cpu.training_compiler_options({}) is None
 
 
-def test_the_installed_jaxlib_accepts_the_flags_it_is_given():
-    """A fresh process with exactly the flags `apply_cpu_defaults` makes starts a CPU backend
-    and runs a program (XLA would abort at start on an unknown option)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", xla_cpu.ENV)}
-    code = (
-        "import os; from dspark_jax.xla_cpu import apply_cpu_defaults; "
-        "print(apply_cpu_defaults()); import jax, jax.numpy as jnp; "
-        "x = jnp.arange(6.0).reshape(2, 3); print(float(jax.nn.logsumexp(x @ x.T)))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=dict(env, JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    added, value = out.stdout.split()
-    if xla_cpu._jaxlib_release() in xla_cpu.CHECKED_JAXLIB:
-        assert added == f"{xla_cpu.OPTION}={xla_cpu.VALUE}"
-    assert abs(float(value) - 50.0) < 1e-3
+def test_the_installed_jaxlib_compiles_with_it_and_computes_the_same():
+    if xla_cpu._jaxlib_release() not in xla_cpu.CHECKED_JAXLIB:
+        pytest.skip("jaxlib release the option was not checked on")
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 96)), jnp.float32)
+
+    def f(x):
+        return jax.nn.log_softmax(x @ x.T, -1).sum(-1) + jnp.abs(jnp.exp(x)).max(-1)[:64]
+
+    low = jax.jit(f).lower(x)
+    want = low.compile()(x)
+    got = low.compile({xla_cpu.OPTION: xla_cpu.VALUE})(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(Exception, match="valid enum|NOT_A_FUSION_TYPE"):
+        low.compile(BAD)
+
+
+def test_the_training_steps_are_compiled_with_it(monkeypatch, tmp_path):
+    """A rejected option makes exactly the programs that carry it fail: the target's training
+    step and the drafter trainer's steps do; a decoding program does not."""
+    monkeypatch.setattr(steps, "training_compiler_options", lambda: BAD)
+    monkeypatch.setattr(lm, "training_compiler_options", lambda: BAD)
+    step = steps.jitted(lambda x: x * 2.0, (), (), None)
+    with pytest.raises(Exception, match="valid enum|NOT_A_FUSION_TYPE"):
+        step(jnp.ones(3))
+    from dspark_jax.config import TrainConfig
+    from dspark_jax.models.generate import generate
+    from dspark_jax.models.transformer import init_params
+    from dspark_jax.testing import tiny_target_config
+
+    cfg = tiny_target_config()
+    tc = TrainConfig(total_steps=1, global_batch_size=2, micro_batch_size=2, seq_buckets=(16,))
+    with pytest.raises(Exception, match="valid enum|NOT_A_FUSION_TYPE"):
+        lm.train_lm(cfg, [list(range(1, 60))], tc, tmp_path / "lm", progress=False)
+    out = generate(cfg, init_params(cfg, 0), [[1, 2, 3]], max_new_tokens=2)  # default options
+    assert len(out[0]) == 2

@@ -23,6 +23,7 @@ from dspark_jax.config import TargetConfig, TrainConfig
 from dspark_jax.models.transformer import forward, init_params
 from dspark_jax.train.checkpoint import Checkpointer, abstract_like
 from dspark_jax.train.optimizer import make_optimizer
+from dspark_jax.xla_cpu import training_compiler_options
 
 
 def pack_windows(token_lists, seq_len: int) -> np.ndarray:
@@ -47,11 +48,17 @@ def _loss(cfg: TargetConfig, params, windows_BxT1):
     return jnp.mean(nll)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
 def _step(cfg, opt, params, opt_state, batch):
     loss, grads = jax.value_and_grad(functools.partial(_loss, cfg))(params, batch)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+
+@functools.cache
+def _step_jit(options: tuple):
+    """The jitted step, compiled with the training compiler options (`xla_cpu.py`)."""
+    return jax.jit(_step, static_argnums=(0, 1), donate_argnums=(2, 3),
+                   compiler_options=dict(options) or None)  # fmt: skip
 
 
 def train_lm(
@@ -91,11 +98,12 @@ def train_lm(
         order = np.random.default_rng([tc.seed, epoch]).permutation(len(windows))
         return windows[order[i * batch_size : (i + 1) * batch_size]]
 
+    step_fn = _step_jit(tuple((training_compiler_options() or {}).items()))
     log = []
     bar = tqdm(total=steps, initial=start, desc="target", disable=not progress, unit="step")
     loss = None
     for step in range(start, steps):
-        params, opt_state, loss = _step(cfg, opt, params, opt_state, jnp.asarray(batch_at(step)))
+        params, opt_state, loss = step_fn(cfg, opt, params, opt_state, jnp.asarray(batch_at(step)))
         if step % tc.log_interval == 0 or step == steps - 1:
             lv = float(loss)
             log.append({"step": step, "loss": lv})

@@ -40,6 +40,7 @@ from dspark_jax.spec.metrics import is_additive
 from dspark_jax.train import loader as loader_lib
 from dspark_jax.train.features import FeatureCacheReader, target_features
 from dspark_jax.train.optimizer import OptimizerSettings, lr_schedule, make_optimizer
+from dspark_jax.xla_cpu import training_compiler_options
 
 log = logging.getLogger(__name__)
 
@@ -222,17 +223,18 @@ _JITS: dict = {}
 
 
 def jitted(fn, static, donate, out_shardings):
-    """`jax.jit(fn)` with fixed output shardings, shared by every Trainer with the same layout.
+    """`jax.jit(fn)` with fixed output shardings and the training steps' compiler options
+    (`xla_cpu.training_compiler_options`), shared by every Trainer with the same layout.
 
     Pinning the outputs to the very sharding objects the inputs were placed with keeps the
     arguments' shardings identical from call to call, so each step compiles once per shape
     (without it, `P()` vs `P(None, None)` spellings of the same layout would retrace).
     """
-    key = (fn, static, donate, _TreeKey(out_shardings))
+    options = training_compiler_options()  # the training steps' XLA:CPU option (xla_cpu.py)
+    key = (fn, static, donate, _TreeKey(out_shardings), tuple((options or {}).items()))
     if key not in _JITS:
-        _JITS[key] = jax.jit(
-            fn, static_argnames=static, donate_argnames=donate, out_shardings=out_shardings
-        )
+        _JITS[key] = jax.jit(fn, static_argnames=static, donate_argnames=donate,
+                             out_shardings=out_shardings, compiler_options=options)  # fmt: skip
     return _JITS[key]
 
 
