@@ -3,14 +3,18 @@
 XLA:CPU hands some fused computations to YNNPACK. Its default also gives it reductions, and on
 the vocabulary-sized parts of training (log-softmax, softmax, L1 over [tokens, V]) those fused
 reductions were the slowest kernels of a step. Compiling a program with YNNPACK restricted to
-dot and elementwise fusions (`xla_cpu_experimental_ynn_fusion_type`) measured, on the demo's
-models, in one session (2 cores, jaxlib 0.10.2; benchmarks/xla_cpu_flags.py re-measures it):
+dot and elementwise fusions (`xla_cpu_experimental_ynn_fusion_type`), on the demo's models
+(2 cores, jaxlib 0.10.2; speedup over XLA's default):
 
-    target training step (16 x 256)            1.22x faster
-    DSpark / DFlash / Eagle3 micro-step        1.46x / 1.43x / 1.15x faster
-    8-token verify forward, batch 1            0.81x (slower)
-    DSpark / Eagle3 proposal                   0.93x / 0.78x (slower)
-    32 decode steps at batch 32                0.94x
+                                       in one process,      across processes,
+                                       per-program option   as an XLA_FLAGS entry
+    target training step (16 x 256)          1.10x                1.22x
+    DSpark / DFlash / Eagle3 micro-step      1.18 / 1.19 / 1.04x  1.46 / 1.43 / 1.15x
+    8-token verify forward, batch 1          0.96x                0.81x
+    DSpark / Eagle3 proposal                 1.06 / 0.92x         0.93 / 0.78x
+    32 decode steps at batch 32              0.96x                0.94x
+
+(benchmarks/xla_cpu_flags.py makes the first column; this shared machine ran ~1.2x slower then.)
 
 So the option goes to the training programs (the target's step, the drafter trainer's micro-,
 update and eval steps) as a per-program compiler option, and every decoding program (generate,
