@@ -62,6 +62,21 @@ def _compile(cfg, params, batch, options="training"):
     return g.lower(params.trainable, batch, jax.random.key(0)).compile(options)
 
 
+def demo_drafters(cfg, tcfg, tparams):
+    """One micro-batch of the demo's drafter training (features from `tparams`) and the demo's
+    three drafter configs on `tcfg` (configs/tiny.py's drafters stage)."""
+    d = cfg.drafters
+    mb, seq = d.train.micro_batch_size, d.train.seq_buckets[-1]
+    batch = drafter_batch(tcfg, tparams, batch=mb, length=seq, prompt=20)
+    common = dict(block_size=d.block_size, num_layers=d.num_layers, num_anchors=d.num_anchors,
+                  mask_token_id=tcfg.vocab_size - 1)  # fmt: skip
+    return batch, {
+        "dspark": DrafterConfig.dspark(tcfg, markov_rank=d.markov_rank, **common),
+        "dflash": DrafterConfig.dflash(tcfg, **common),
+        "eagle3": DrafterConfig.eagle3(tcfg, block_size=d.block_size),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=7)
@@ -71,16 +86,7 @@ def main():
     cfg = config()
     tcfg = dataclasses.replace(cfg.target.model, vocab_size=2048)
     tparams = tf.init_params(tcfg, 0)
-    d = cfg.drafters
-    mb, seq = d.train.micro_batch_size, d.train.seq_buckets[-1]
-    batch = drafter_batch(tcfg, tparams, batch=mb, length=seq, prompt=20)
-    common = dict(block_size=d.block_size, num_layers=d.num_layers, num_anchors=d.num_anchors,
-                  mask_token_id=tcfg.vocab_size - 1)  # fmt: skip
-    dcfgs = {
-        "dspark": DrafterConfig.dspark(tcfg, markov_rank=d.markov_rank, **common),
-        "dflash": DrafterConfig.dflash(tcfg, **common),
-        "eagle3": DrafterConfig.eagle3(tcfg, block_size=d.block_size),
-    }
+    batch, dcfgs = demo_drafters(cfg, tcfg, tparams)
     progs, params = {}, {}
     for kind, c in dcfgs.items():
         params[kind] = drafters.init_params(c, target_params=tparams)

@@ -37,9 +37,7 @@ import numpy as np  # noqa: E402
 import target_step  # noqa: E402
 
 from dspark_jax import drafters, xla_cpu  # noqa: E402
-from dspark_jax.config import DrafterConfig  # noqa: E402
 from dspark_jax.models import transformer as tf  # noqa: E402
-from dspark_jax.testing import drafter_batch  # noqa: E402
 
 
 def main():
@@ -52,17 +50,8 @@ def main():
     cfg = config()
     tcfg = dataclasses.replace(cfg.target.model, vocab_size=2048)
     tparams = tf.init_params(tcfg, 0)
-    d = cfg.drafters
     windows = jnp.asarray(np.random.default_rng(0).integers(1, 2048, size=(16, 257)), jnp.int32)
-    batch = drafter_batch(tcfg, tparams, batch=d.train.micro_batch_size,
-                          length=d.train.seq_buckets[-1], prompt=20)  # fmt: skip
-    common = dict(block_size=d.block_size, num_layers=d.num_layers, num_anchors=d.num_anchors,
-                  mask_token_id=tcfg.vocab_size - 1)  # fmt: skip
-    dcfgs = {
-        "dspark": DrafterConfig.dspark(tcfg, markov_rank=d.markov_rank, **common),
-        "dflash": DrafterConfig.dflash(tcfg, **common),
-        "eagle3": DrafterConfig.eagle3(tcfg, block_size=d.block_size),
-    }
+    batch, dcfgs = drafter_step.demo_drafters(cfg, tcfg, tparams)
     dparams = {k: drafters.init_params(c, target_params=tparams) for k, c in dcfgs.items()}
     progs = {}  # (name, with option?) -> (compiled, args)
     for opt in (False, True):
