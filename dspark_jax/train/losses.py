@@ -114,8 +114,8 @@ def ce_and_l1(logits, p_t, ids=None):
         ∂/∂logits = g_ce·(p_d Σ_v y − y) + g_l1·p_d ⊙ (s − Σ_v p_d s),  s = sign(p_d − p_t),
     y = onehot(id) or p_t; a term whose output carries no gradient (DFlash's L1, Eagle3's
     detached L1) is skipped. Autodiff instead keeps and re-reads several [..., V] intermediates
-    (log p_d, p_d, the sign, their products). On the demo's drafters with the project's XLA:CPU
-    setting the micro-step is 1.05x faster for DSpark and unchanged for DFlash and Eagle3
+    (log p_d, p_d, the sign, their products). On the demo's drafters with the training steps' XLA:CPU
+    option the micro-step is 1.05x faster for DSpark and unchanged for DFlash and Eagle3
     (benchmarks/drafter_step.py).
     """
     return _ce_and_l1(logits, p_t, ids)
