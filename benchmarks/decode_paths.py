@@ -5,9 +5,11 @@ The demo's target (configs/tiny.py: 16 layers x 160, vocab 2048, random init) an
 
 * ``current``: the library as it is;
 * ``baseline``: attention over a cache through `jnp.einsum` with the queries as the left operand
-  (XLA:CPU then copies the key cache to [d, S] on every call), and drafters that draw each
-  slot's token inside their sequential loop with `jax.random.categorical` (one threefry pass per
-  slot) — how both were written before `layers._few_queries_*` and `spec.sampling.gumbel_noise`.
+  (XLA:CPU then copies the key cache to [d, S] on every call), and drafters that compute each
+  slot's distribution inside their sequential loop and draw from it with
+  `jax.random.categorical` (one softmax and one threefry pass per slot) — how both were written
+  before `layers._few_queries_*`, `spec.sampling.gumbel_noise` and `drafters.common.draw_tokens`
+  drawing from logits.
 
 Timed interleaved after compiling, medians of ``--reps``:
   decode_b32      32 greedy decode steps at batch 32, cache 256 (regeneration, evaluation);
@@ -43,6 +45,7 @@ import numpy as np  # noqa: E402
 
 from dspark_jax import drafters  # noqa: E402
 from dspark_jax.config import DrafterConfig  # noqa: E402
+from dspark_jax.drafters import common  # noqa: E402
 from dspark_jax.drafters import dspark as dspark_mod  # noqa: E402
 from dspark_jax.drafters import eagle3 as eagle3_mod  # noqa: E402
 from dspark_jax.models import generate as gen  # noqa: E402
@@ -68,10 +71,12 @@ def _noise_as_keys(keys_BxG, num_classes, scfg):
     return None if scfg is not None and scfg.greedy else keys_BxG
 
 
-def _draw_in_loop(keys_B, probs_BxV, scfg):
+def _draw_in_loop(keys_B, logits_BxV, sampling, scfg):
+    """Baseline drawing: the slot's distribution inside the loop, one threefry pass per slot."""
+    probs = common.sampling_probs(logits_BxV, sampling, scfg)
     if scfg is not None and scfg.greedy:
-        return jnp.argmax(probs_BxV, axis=-1).astype(jnp.int32)
-    return spec_sampling.sample_from_probs(keys_B, probs_BxV)
+        return jnp.argmax(probs, axis=-1).astype(jnp.int32)
+    return spec_sampling.sample_from_probs(keys_B, probs)
 
 
 class _Baseline:

@@ -77,8 +77,15 @@ def draft_noise(keys: jax.Array, num_classes: int, scfg) -> jax.Array | None:
     return spec_sampling.gumbel_noise(keys, num_classes)
 
 
-def draw_tokens(noise_BxV: jax.Array | None, probs_BxV: jax.Array, scfg) -> jax.Array:
-    """One token per row from `probs` with this slot's `draft_noise` (greedy: the argmax)."""
+def draw_tokens(noise_BxV: jax.Array | None, logits_BxV: jax.Array, sampling, scfg) -> jax.Array:
+    """One token per row from `sampling_probs(logits_BxV, sampling, scfg)` with this slot's
+    `draft_noise`: the Gumbel-max draw `argmax(noise + z)` over the sampling transform's logits z
+    (softmax(z) is that distribution exactly), so a sequential loop needs no softmax per slot and
+    the recorded probabilities can be computed after it for all slots at once (greedy: the
+    argmax, first index on ties, as `sampling_probs`' one-hot)."""
+    x = logits_BxV.astype(jnp.float32)
     if scfg is not None and scfg.greedy:
-        return jnp.argmax(probs_BxV, axis=-1).astype(jnp.int32)
-    return spec_sampling.sample_with_noise(noise_BxV, jnp.log(probs_BxV))
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if sampling is not None:
+        x = spec_sampling.transform_logits(x, sampling, scfg or spec_sampling.SamplingConfig())
+    return spec_sampling.sample_with_noise(noise_BxV, x)

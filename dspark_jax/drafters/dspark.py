@@ -219,20 +219,24 @@ def propose_block(
     state0 = head.init_state((b,), z.dtype) if head is not None else jnp.zeros((), z.dtype)
     forced = jnp.zeros((b, g), jnp.int32) if forced_BxG is None else forced_BxG
 
+    # the loop carries only what is sequential (previous token, RNN state) and draws from the
+    # corrected logits; the recorded distributions and confidences are computed after it for all
+    # γ slots at once, from the same logits and Markov embeddings
+    r = head.rank if head is not None else 0
+
     def body(carry, xs):
         prev, state = carry
         z_k, u_k, noise_k, forced_k = xs
-        e = None
-        logits = u_k
+        logits, e = u_k, jnp.zeros((b, r), z.dtype)
         if head is not None:
             state, bias, e = head.step(state, prev, z_k)
             logits = logits + bias
-        conf = conf_head(z_k, e) if conf_head is not None else jnp.zeros((b,), jnp.float32)
-        probs = sampling_probs(logits, sampling, scfg)
-        tok = forced_k if forced_BxG is not None else draw_tokens(noise_k, probs, scfg)
-        return (tok, state), (tok, probs, conf)
+        tok = forced_k if forced_BxG is not None else draw_tokens(noise_k, logits, sampling, scfg)
+        return (tok, state), (tok, logits, e)
 
     xs = (jnp.moveaxis(z, 1, 0), jnp.moveaxis(base, 1, 0), noise, forced.T)
-    _, (toks, probs, conf) = jax.lax.scan(body, (anchor_B.astype(jnp.int32), state0), xs)
-    conf_logits = jnp.moveaxis(conf, 0, 1) if conf_head is not None else None
-    return Proposal(jnp.moveaxis(toks, 0, 1), jnp.moveaxis(probs, 0, 1), conf_logits)
+    _, (toks, logits, e) = jax.lax.scan(body, (anchor_B.astype(jnp.int32), state0), xs)
+    probs = sampling_probs(jnp.moveaxis(logits, 0, 1), sampling, scfg)  # [B, γ, V]
+    e = jnp.moveaxis(e, 0, 1) if head is not None else None
+    conf_logits = conf_head(z, e) if conf_head is not None else None
+    return Proposal(jnp.moveaxis(toks, 0, 1), probs, conf_logits)

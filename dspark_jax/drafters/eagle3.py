@@ -208,12 +208,14 @@ def propose_eagle3(
     buf_k = jnp.zeros((b, attn.cfg.num_kv_heads, nb, attn.cfg.head_dim), ctx.k.dtype)
     buf_v = jnp.zeros_like(buf_k)
 
+    # each step draws from its logits; the recorded distributions are computed after the loop
+    # for all γ steps at once, from the same logits
     def step_draw(g, noise_k, forced_k):
-        probs = sampling_probs(model.logits(g), sampling, scfg)
-        tok = forced_k if forced_BxG is not None else draw_tokens(noise_k, probs, scfg)
-        return tok, probs
+        logits = model.logits(g).astype(jnp.float32)
+        tok = forced_k if forced_BxG is not None else draw_tokens(noise_k, logits, sampling, scfg)
+        return tok, logits
 
-    tok0, p0 = step_draw(ctx.g, first, forced[:, 0])
+    tok0, l0 = step_draw(ctx.g, first, forced[:, 0])
 
     def body(carry, xs):
         g, tok, bk, bv = carry
@@ -226,12 +228,13 @@ def propose_eagle3(
         buf_mask = jnp.broadcast_to(jnp.arange(nb)[None, None, :] < j, (b, 1, nb))
         a = attend(q, [(ctx.k, ctx.v, cache_mask), (bk, bv, buf_mask)])
         g = layer.finish(g[:, None], a.astype(g.dtype))[:, 0]
-        tok, probs = step_draw(g, noise_k, forced_k)
-        return (g, tok, bk, bv), (tok, probs)
+        tok, logits = step_draw(g, noise_k, forced_k)
+        return (g, tok, bk, bv), (tok, logits)
 
     js = jnp.arange(1, gam, dtype=jnp.int32)
     xs = (js, rest, forced[:, 1:].T)
-    _, (toks, probs) = jax.lax.scan(body, (ctx.g, tok0, buf_k, buf_v), xs)
+    _, (toks, logits) = jax.lax.scan(body, (ctx.g, tok0, buf_k, buf_v), xs)
     tokens = jnp.concatenate([tok0[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
-    probs = jnp.concatenate([p0[:, None], jnp.moveaxis(probs, 0, 1)], axis=1)
+    logits = jnp.concatenate([l0[:, None], jnp.moveaxis(logits, 0, 1)], axis=1)  # [B, γ, V]
+    probs = sampling_probs(logits, sampling, scfg)
     return Proposal(tokens, probs, None)
