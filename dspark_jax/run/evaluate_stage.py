@@ -54,7 +54,9 @@ def run_evaluate(p) -> dict:
     bar = tqdm(total=total, desc="evaluate", unit="prompt")
     all_results = {}
     decoders = {
-        k: p.rundir.decoder_for(k, [longest], e.max_new_tokens, e.max_len, lean=True)
+        k: p.rundir.decoder_for(
+            k, [longest], e.max_new_tokens, e.max_len, lean=True, modes=eval_modes(e)
+        )  # fmt: skip
         for k in p.cfg.drafters.kinds
     }
     for kind in p.cfg.drafters.kinds:
@@ -121,6 +123,13 @@ def run_evaluate(p) -> dict:
             plot(tmp)  # writes nothing (and returns False) without matplotlib
     p.log("\n" + md)
     return {"macro": {k: v["macro"] for k, v in table["tau"].items()}}
+
+
+def eval_modes(e) -> tuple[str, ...]:
+    """The one sampling mode the evaluation decoders compile: with any temperature above 0 the
+    temperature-only mode, in which a T = 0 request runs as a greedy row (the same tokens as in
+    the argmax mode), so the τ tables at every temperature share one set of programs."""
+    return ("sampled",) if max((e.temperature, *e.temperatures)) > 0 else ("greedy",)
 
 
 def _other_temperatures(p, decoders, datasets, domains, stop) -> dict:

@@ -264,13 +264,15 @@ class RunDir:
 
     def decoder(
         self, kind: str, max_len: int | None = None, length_buckets=None, *, num_slots=0,
-        rounds_per_call=1, token_buckets=None,
+        rounds_per_call=1, token_buckets=None, modes=None,
     ):  # fmt: skip
         """A `ServingEngine` of the target and drafter `kind` (`max_len` defaults to
         `evaluate.max_len`, 0 = the target's context), `num_slots` slots (0 =
-        `evaluate.batch_size`), fixed γ (switch with `engine.set_policy`); `rounds_per_call` and
-        `token_buckets` are the engine's (default: powers of two up to slots x (γ + 1))."""
+        `evaluate.batch_size`), fixed γ (switch with `engine.set_policy`); `rounds_per_call`,
+        `token_buckets` (default: powers of two up to slots x (γ + 1)) and the compiled sampling
+        `modes` (default: all) are the engine's."""
         from dspark_jax.engine import ServingEngine
+        from dspark_jax.engine.serving import MODES
 
         max_len = max_len or self.config.evaluate.max_len or self.context_len()
         tcfg, tparams = self.target()
@@ -282,7 +284,7 @@ class RunDir:
             tcfg, dcfg, tparams, dparams,
             num_slots=self._slots(num_slots), max_len=max_len,
             prompt_buckets=tuple(buckets), policy="fixed", mesh=self.mesh,
-            rounds_per_call=rounds_per_call, token_buckets=token_buckets,
+            rounds_per_call=rounds_per_call, token_buckets=token_buckets, modes=modes or MODES,
         )  # fmt: skip
 
     def _slots(self, num_slots: int) -> int:
