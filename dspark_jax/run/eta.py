@@ -12,17 +12,16 @@ from __future__ import annotations
 import time
 
 # seconds per work unit, measured on the tiny demo (16 x 160 target, 2 CPU cores; the run of
-# 2026-12-01 with the training steps' XLA:CPU option, 29.8 min, except the target stage, which
-# overlapped another job there: its idle time from the run before); the units are those of
-# `stage_work`
+# 2026-12-01 with the training steps' XLA:CPU option, 30.3 min, except regenerate, which that run
+# did at batch 64: its batch-32 time from the run before); the units are those of `stage_work`
 DEMO_SECONDS_PER_UNIT = {
     "corpus": 5.0,  # the embedded corpus (one unit)
     "tokenizer": 3.0,  # training the tokenizer (one unit)
-    "target": 387.0 / (200 * 16 * 256),  # per training token
+    "target": 441.0 / (200 * 16 * 256),  # per training token
     "regenerate": 192.0 / (1200 * 128),  # per prompt x max_new_tokens
-    "drafters": 810.0 / (3 * 300 * 8),  # per drafter x step x sequence (incl. the feature cache)
-    "calibrate": 31.0 / (48 * 96),  # per prompt x max_new_tokens
-    "evaluate": 312.0 / (3 * 72 * 96 * 2),  # per drafter x prompt x new token x temperature
+    "drafters": 826.0 / (3 * 300 * 8),  # per drafter x step x sequence (incl. the feature cache)
+    "calibrate": 27.0 / (48 * 96),  # per prompt x max_new_tokens
+    "evaluate": 287.0 / (3 * 72 * 96 * 2),  # per drafter x prompt x new token x temperature
 }
 
 
