@@ -15,6 +15,9 @@ dot and elementwise fusions (`xla_cpu_experimental_ynn_fusion_type`), on the dem
     32 decode steps at batch 32              0.96x                0.94x
 
 (benchmarks/xla_cpu_flags.py makes the first column; this shared machine ran ~1.2x slower then.)
+The two columns are not two strengths of one option: the target's real training step
+(`lm._step_jit`) in alternated processes ran 3.08 / 3.60 s per step with the per-program option,
+3.45 / 4.59 s with the XLA_FLAGS entry and 4.23 / 4.46 s with neither (two rounds, machine loaded).
 
 So the option goes to the training programs (the target's step, the drafter trainer's micro-,
 update and eval steps) as a per-program compiler option, and every decoding program (generate,
