@@ -29,7 +29,6 @@ attention only: the draws themselves are bit-identical, tests/test_spec_sampling
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -44,7 +43,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dspark_jax import drafters  # noqa: E402
-from dspark_jax.config import DrafterConfig  # noqa: E402
 from dspark_jax.drafters import common  # noqa: E402
 from dspark_jax.drafters import dspark as dspark_mod  # noqa: E402
 from dspark_jax.drafters import eagle3 as eagle3_mod  # noqa: E402
@@ -152,18 +150,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args()
-    from configs.tiny import config
+    import drafter_step  # the demo's models, shared with the training benchmarks
 
-    cfg = config()
-    tcfg = dataclasses.replace(cfg.target.model, vocab_size=2048)
-    tparams = tf.init_params(tcfg, 0)
-    d = cfg.drafters
-    dcfgs = {
-        "dspark": DrafterConfig.dspark(tcfg, block_size=GAMMA, num_layers=d.num_layers,
-                                       markov_rank=d.markov_rank, mask_token_id=2047),
-        "eagle3": DrafterConfig.eagle3(tcfg, block_size=GAMMA),
-    }  # fmt: skip
-    ds = {k: (c, drafters.init_params(c, target_params=tparams)) for k, c in dcfgs.items()}
+    _, tcfg, tparams, dcfgs = drafter_step.demo_models()
+    assert dcfgs["dspark"].block_size == GAMMA
+    ds = {k: (dcfgs[k], drafters.init_params(dcfgs[k], target_params=tparams))
+          for k in ("dspark", "eagle3")}  # fmt: skip
 
     progs = {"current": _programs(tcfg, tparams, ds)}
     with _Baseline():

@@ -62,31 +62,37 @@ def _compile(cfg, params, batch, options="training"):
     return g.lower(params.trainable, batch, jax.random.key(0)).compile(options)
 
 
-def demo_drafters(cfg, tcfg, tparams):
-    """One micro-batch of the demo's drafter training (features from `tparams`) and the demo's
-    three drafter configs on `tcfg` (configs/tiny.py's drafters stage)."""
+def demo_models():
+    """configs/tiny.py's pipeline config, its target at a 2048-token vocabulary (random init) and
+    the demo's three drafter configs on it (the drafters stage): (cfg, tcfg, tparams, dcfgs)."""
+    from configs.tiny import config
+
+    cfg = config()
+    tcfg = dataclasses.replace(cfg.target.model, vocab_size=2048)
     d = cfg.drafters
-    mb, seq = d.train.micro_batch_size, d.train.seq_buckets[-1]
-    batch = drafter_batch(tcfg, tparams, batch=mb, length=seq, prompt=20)
     common = dict(block_size=d.block_size, num_layers=d.num_layers, num_anchors=d.num_anchors,
                   mask_token_id=tcfg.vocab_size - 1)  # fmt: skip
-    return batch, {
+    dcfgs = {
         "dspark": DrafterConfig.dspark(tcfg, markov_rank=d.markov_rank, **common),
         "dflash": DrafterConfig.dflash(tcfg, **common),
         "eagle3": DrafterConfig.eagle3(tcfg, block_size=d.block_size),
     }
+    return cfg, tcfg, tf.init_params(tcfg, 0), dcfgs
+
+
+def demo_batch(cfg, tcfg, tparams):
+    """One micro-batch of the demo's drafter training, features from `tparams`."""
+    t = cfg.drafters.train
+    return drafter_batch(tcfg, tparams, batch=t.micro_batch_size, length=t.seq_buckets[-1],
+                         prompt=20)  # fmt: skip
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
-    from configs.tiny import config
-
-    cfg = config()
-    tcfg = dataclasses.replace(cfg.target.model, vocab_size=2048)
-    tparams = tf.init_params(tcfg, 0)
-    batch, dcfgs = demo_drafters(cfg, tcfg, tparams)
+    cfg, tcfg, tparams, dcfgs = demo_models()
+    batch = demo_batch(cfg, tcfg, tparams)
     progs, params = {}, {}
     for kind, c in dcfgs.items():
         params[kind] = drafters.init_params(c, target_params=tparams)

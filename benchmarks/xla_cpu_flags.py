@@ -18,7 +18,6 @@ Re-run it before adding a jaxlib release to `xla_cpu.CHECKED_JAXLIB`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -37,21 +36,16 @@ import numpy as np  # noqa: E402
 import target_step  # noqa: E402
 
 from dspark_jax import drafters, xla_cpu  # noqa: E402
-from dspark_jax.models import transformer as tf  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    from configs.tiny import config
-
     option = {xla_cpu.OPTION: xla_cpu.VALUE}
-    cfg = config()
-    tcfg = dataclasses.replace(cfg.target.model, vocab_size=2048)
-    tparams = tf.init_params(tcfg, 0)
+    cfg, tcfg, tparams, dcfgs = drafter_step.demo_models()
     windows = jnp.asarray(np.random.default_rng(0).integers(1, 2048, size=(16, 257)), jnp.int32)
-    batch, dcfgs = drafter_step.demo_drafters(cfg, tcfg, tparams)
+    batch = drafter_step.demo_batch(cfg, tcfg, tparams)
     dparams = {k: drafters.init_params(c, target_params=tparams) for k, c in dcfgs.items()}
     progs = {}  # (name, with option?) -> (compiled, args)
     for opt in (False, True):
