@@ -61,15 +61,24 @@ def main():
     args = ap.parse_args()
     import dataclasses
 
+    from dspark_jax.errors import ConfigError
     from dspark_jax.eval import offline
+    from dspark_jax.run.cli import report, user_errors
     from dspark_jax.run.evaluate_stage import eval_modes
     from dspark_jax.run.pipeline import Pipeline
     from dspark_jax.run.rundir import RunDir
     from dspark_jax.train.data import select_prompts
 
-    # the run's own configuration: the same prompts, seeds and decoders as its evaluate stage
-    cfg = dataclasses.replace(RunDir(args.run_dir).config, run_dir=args.run_dir)
-    p = Pipeline(cfg)
+    try:  # a wrong run directory or a missing checkpoint: one line, before any decoding
+        if args.prompts < 0:
+            raise ConfigError(f"--prompts {args.prompts} — give 0 (the run's own) or more")
+        # the run's own configuration: the same prompts, seeds and decoders as its evaluate stage
+        cfg = dataclasses.replace(RunDir(args.run_dir).config, run_dir=args.run_dir)
+        p = Pipeline(cfg)
+        for kind in cfg.drafters.kinds:
+            p.drafter(kind)
+    except user_errors() as err:
+        return report(err)
     e = cfg.evaluate
     cap = args.prompts or e.max_prompts_per_dataset
     datasets = {}
@@ -106,7 +115,8 @@ def main():
                       "temperature": e.temperature,
                       "platform": f"{platform.machine()} {jax.default_backend()} x{os.cpu_count()}"}  # fmt: skip
     print(json.dumps(out))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
