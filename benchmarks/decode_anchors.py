@@ -64,12 +64,11 @@ def main():
     from dspark_jax.errors import ConfigError
     from dspark_jax.eval import offline
     from dspark_jax.run.cli import report, user_errors
-    from dspark_jax.run.evaluate_stage import eval_modes
+    from dspark_jax.run.evaluate_stage import eval_datasets, eval_decoder
     from dspark_jax.run.pipeline import Pipeline
     from dspark_jax.run.rundir import RunDir
-    from dspark_jax.train.data import select_prompts
 
-    try:  # a wrong run directory or a missing checkpoint: one line, before any decoding
+    try:  # a wrong run directory, a missing checkpoint, no prompt that fits: one line, first
         if args.prompts < 0:
             raise ConfigError(f"--prompts {args.prompts} — give 0 (the run's own) or more")
         # the run's own configuration: the same prompts, seeds and decoders as its evaluate stage
@@ -77,21 +76,17 @@ def main():
         p = Pipeline(cfg)
         for kind in cfg.drafters.kinds:
             p.drafter(kind)
+        datasets, _ = eval_datasets(p)
     except user_errors() as err:
         return report(err)
     e = cfg.evaluate
-    cap = args.prompts or e.max_prompts_per_dataset
-    datasets = {}
-    for name, (dom, turns) in p.eval_sets().items():
-        kept, _, _ = p.fitting_prompts(turns, e.max_new_tokens)
-        sel = tuple(select_prompts(kept, e.max_prompts_per_dataset))[:cap]
-        if sel:
-            datasets[name] = offline.EvalDataset(name, dom, sel)
+    if args.prompts:
+        datasets = {n: dataclasses.replace(ds, prompts=ds.prompts[: args.prompts])
+                    for n, ds in datasets.items()}  # fmt: skip
     longest = max(len(q) for ds in datasets.values() for q in ds.prompts)
     out = {}
     for kind in cfg.drafters.kinds:
-        dec = p.rundir.decoder_for(kind, [longest], e.max_new_tokens, e.max_len, lean=True,
-                                   modes=eval_modes(e))  # fmt: skip
+        dec = eval_decoder(p, kind, longest)
         out[kind] = {}
         for name, ds in datasets.items():
             res = offline.run_dataset(
@@ -111,7 +106,7 @@ def main():
                 gains[f"{a}_vs_{b}"] = {
                     m: round(macro[a][m] / macro[b][m] - 1.0, 4) for m in macro[a]
                 }
-    out["summary"] = {"macro": macro, "gains": gains, "prompts_per_dataset": cap,
+    out["summary"] = {"macro": macro, "gains": gains, "prompts_per_dataset": max(len(d.prompts) for d in datasets.values()),
                       "temperature": e.temperature,
                       "platform": f"{platform.machine()} {jax.default_backend()} x{os.cpu_count()}"}  # fmt: skip
     print(json.dumps(out))

@@ -36,14 +36,15 @@ from dspark_jax.drafters.eagle3 import ttt_hidden
 from dspark_jax.spec.metrics import block_tau
 from dspark_jax.train.anchors import make_blocks
 from dspark_jax.train.features import target_features
+from dspark_jax.train.losses import ce_and_l1
 
 ROUND_KINDS = ("first", "after_full", "after_reject")
 
 
 def _accept(p_t, logits):
-    """1 − TV(p_t, softmax(logits)) over the last axis."""
-    q = jax.nn.softmax(logits.astype(jnp.float32), -1)
-    return 1.0 - 0.5 * jnp.abs(p_t - q).sum(-1)
+    """1 − TV(p_t, softmax(logits)) over the last axis, as the losses compute it (c*)."""
+    _, l1 = ce_and_l1(logits.astype(jnp.float32), p_t)
+    return jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))

@@ -18,34 +18,11 @@ def run_evaluate(p) -> dict:
     speed and analyses; writes report.json / report.md / PNGs into the stage's folder."""
     from dspark_jax.eval import offline
     from dspark_jax.eval import speed as evspeed
-    from dspark_jax.train.data import select_prompts
 
     e = p.cfg.evaluate
     tcfg, tparams = p.target()
     stop = p.stop_ids()
-    datasets, coverage = {}, {}
-    for name, (dom, turns) in p.eval_sets().items():
-        kept, too_long, limit = p.fitting_prompts(turns, e.max_new_tokens)
-        sel = tuple(select_prompts(kept, e.max_prompts_per_dataset))
-        coverage[name] = {
-            "domain": dom, "prompts": len(sel), "available": len(turns),
-            "too_long": too_long, "max_prompt_tokens": limit,
-        }  # fmt: skip
-        if too_long:
-            p.log(
-                f"  {name}: {too_long} of {len(turns)} prompts longer than {limit} tokens "
-                "(the target's context minus the generation budget) are not evaluated"
-            )
-        if not sel:
-            p.log(f"  {name}: no prompt fits in {limit} tokens; dataset not evaluated")
-            continue
-        datasets[name] = offline.EvalDataset(name, dom, sel)
-    if not datasets:
-        raise ConfigError(
-            f"no evaluation prompt fits in the target's context minus "
-            f"evaluate.max_new_tokens={e.max_new_tokens} — lower evaluate.max_new_tokens or "
-            "use shorter prompts"
-        )
+    datasets, coverage = eval_datasets(p)
     longest = max(len(q) for ds in datasets.values() for q in ds.prompts)
     domains = {k: v.domain for k, v in datasets.items()}
     per_drafter: dict[str, dict] = {}
@@ -53,12 +30,7 @@ def run_evaluate(p) -> dict:
     total = sum(len(v.prompts) for v in datasets.values()) * len(p.cfg.drafters.kinds)
     bar = tqdm(total=total, desc="evaluate", unit="prompt")
     all_results = {}
-    decoders = {
-        k: p.rundir.decoder_for(
-            k, [longest], e.max_new_tokens, e.max_len, lean=True, modes=eval_modes(e)
-        )  # fmt: skip
-        for k in p.cfg.drafters.kinds
-    }
+    decoders = {k: eval_decoder(p, k, longest) for k in p.cfg.drafters.kinds}
     for kind in p.cfg.drafters.kinds:
         dec = decoders[kind]
         per_drafter[kind] = {}
@@ -123,6 +95,49 @@ def run_evaluate(p) -> dict:
             plot(tmp)  # writes nothing (and returns False) without matplotlib
     p.log("\n" + md)
     return {"macro": {k: v["macro"] for k, v in table["tau"].items()}}
+
+
+def eval_datasets(p) -> tuple[dict, dict]:
+    """(the evaluated datasets {name: offline.EvalDataset}, their coverage {name: prompts
+    evaluated / available / too long / the length limit}): every dataset's prompts that fit the
+    target's context with `evaluate.max_new_tokens`, `evaluate.max_prompts_per_dataset` of them
+    in the fixed selection order."""
+    from dspark_jax.eval import offline
+    from dspark_jax.train.data import select_prompts
+
+    e = p.cfg.evaluate
+    datasets, coverage = {}, {}
+    for name, (dom, turns) in p.eval_sets().items():
+        kept, too_long, limit = p.fitting_prompts(turns, e.max_new_tokens)
+        sel = tuple(select_prompts(kept, e.max_prompts_per_dataset))
+        coverage[name] = {
+            "domain": dom, "prompts": len(sel), "available": len(turns),
+            "too_long": too_long, "max_prompt_tokens": limit,
+        }  # fmt: skip
+        if too_long:
+            p.log(
+                f"  {name}: {too_long} of {len(turns)} prompts longer than {limit} tokens "
+                "(the target's context minus the generation budget) are not evaluated"
+            )
+        if not sel:
+            p.log(f"  {name}: no prompt fits in {limit} tokens; dataset not evaluated")
+            continue
+        datasets[name] = offline.EvalDataset(name, dom, sel)
+    if not datasets:
+        raise ConfigError(
+            f"no evaluation prompt fits in the target's context minus "
+            f"evaluate.max_new_tokens={e.max_new_tokens} — lower evaluate.max_new_tokens or "
+            "use shorter prompts"
+        )
+    return datasets, coverage
+
+
+def eval_decoder(p, kind: str, longest: int):
+    """The evaluation's decoder for drafter `kind` (prompts up to `longest` tokens)."""
+    e = p.cfg.evaluate
+    return p.rundir.decoder_for(
+        kind, [longest], e.max_new_tokens, e.max_len, lean=True, modes=eval_modes(e)
+    )
 
 
 def eval_modes(e) -> tuple[str, ...]:
