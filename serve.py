@@ -58,17 +58,23 @@ def main(argv=None) -> int:
 
     from dspark_jax.run.cli import report, user_errors
     from dspark_jax.run.rundir import RunDir
+    from dspark_jax.spec.sampling import validate_sampling_params
     from dspark_jax.train.data_templates import encode_prompt
 
     try:
+        # the knobs and the policy's inputs are checked before any model is loaded
+        validate_sampling_params(args.temperature, args.top_k, args.top_p)
         init_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed)
         from dspark_jax.engine.sharding import mesh_from_flag
 
         run = RunDir(args.run_dir, mesh=mesh_from_flag(args.mesh))
+        policy = _policy(args, run)
         tok = run.tokenizer()
         prompts = [encode_prompt(tok, p).tolist() for p in args.prompt]
         dec = run.decoder_for(args.drafter, [len(p) for p in prompts], args.max_new_tokens)
-        _policy(args, run, dec)
+        if policy:
+            name, kw = policy
+            dec.set_policy(name, **kw)
         t0 = time.perf_counter()
         res = dec.generate(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -98,18 +104,18 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _policy(args, run, dec):
-    """Set the engine's verification policy (fixed γ is the engine's default)."""
+def _policy(args, run):
+    """The verification policy as `(name, kwargs)` for the decoder's `set_policy`, or None for
+    fixed γ (the engine's default); its inputs are checked before the decoder is built."""
     if args.policy == "fixed":
-        return
+        return None
     from dspark_jax.sched.sts import STS
 
-    if dec.dcfg.kind != "dspark":
+    if args.drafter != "dspark":
         raise ValueError(f"--policy {args.policy} needs confidences: use --drafter dspark")
-    sts = run.sts("dspark") or STS.identity(dec.dcfg.block_size)
+    sts = run.sts("dspark") or STS.identity(run.config.drafters.block_size)
     if args.policy == "threshold":
-        dec.set_policy("threshold", threshold=args.threshold, sts=sts)
-        return
+        return "threshold", dict(threshold=args.threshold, sts=sts)
     from dspark_jax.sched.cost import CostProfile
 
     cost = CostProfile.load(args.cost_profile) if args.cost_profile else run.cost_profile()
@@ -118,7 +124,7 @@ def _policy(args, run, dec):
             f"--policy dspark needs a cost profile — pass --cost-profile FILE or put one at "
             f"{run.cost_profile_path()} (benchmarks/decode_cost.py writes it)"
         )
-    dec.set_policy("alg1", cost_profile=cost, sts=sts)
+    return "alg1", dict(cost_profile=cost, sts=sts)
 
 
 if __name__ == "__main__":
