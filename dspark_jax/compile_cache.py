@@ -10,7 +10,9 @@ the program, the compiler flags and the backend version, so a cache hit is the s
     DSPARK_COMPILATION_CACHE=off     no persistent cache (also "0", "none", "")
 
 A cache dir the user already gave JAX (`JAX_COMPILATION_CACHE_DIR`) is kept. Entries are evicted
-least-recently-used beyond `MAX_BYTES`.
+least-recently-used beyond `MAX_BYTES`. The keys include the cache's own path (jax 0.10 puts
+`<dir>/xla_gpu_per_fusion_autotune_cache_dir` into the compile options, even on CPU), so a copied
+or moved cache directory starts cold; another venv with the same jax/jaxlib hits.
 """
 
 from __future__ import annotations
