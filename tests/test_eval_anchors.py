@@ -29,7 +29,9 @@ def test_acceptance_at_every_anchor_is_the_training_metric(kind):
     dcfg = tiny_drafter_config(kind, target=tcfg, **kw)
     dp = dr.init_params(dcfg, seed=3, target_params=tp)
     batch = drafter_batch(tcfg, tp, batch=2, length=seq)
-    _, m = loss_fn(dcfg, dp.trainable, dp.frozen, batch, jax.random.key(0))
+    _, m = jax.jit(loss_fn, static_argnums=0)(
+        dcfg, dp.trainable, dp.frozen, batch, jax.random.key(0)
+    )
     ids, lm = batch["input_ids"], batch["loss_mask"]
     g = dcfg.block_size
     if kind == "eagle3":
