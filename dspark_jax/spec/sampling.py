@@ -143,10 +143,13 @@ def _as_rows(name: str, value, batch_size: int | None, dtype) -> np.ndarray:
         raise ValueError(f"{name} must be numeric, got {value!r}") from e
 
 
-def _bad_rows(mask: np.ndarray) -> str:
+def _bad_rows(mask: np.ndarray, values: np.ndarray, scalar: bool) -> str:
+    """`got V` for a scalar knob, else the offending rows and their values."""
+    if scalar:
+        return f"got {values.flat[0].item()}"
     rows = np.flatnonzero(np.atleast_1d(mask))
     more = "" if rows.size <= 8 else f" (+{rows.size - 8} more)"
-    return f"rows {rows[:8].tolist()}{more}"
+    return f"bad rows {rows[:8].tolist()}{more}: {values[mask][:8].tolist()}"
 
 
 def validate_sampling_params(
@@ -182,24 +185,24 @@ def validate_sampling_params(
     if np.any(bad_t):
         raise ValueError(
             f"temperature must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE} (smaller ones "
-            f"overflow the scaled logits); bad {_bad_rows(bad_t)}: {t[bad_t][:8].tolist()}"
+            f"overflow the scaled logits); {_bad_rows(bad_t, t, np.ndim(temperature) == 0)}"
         )
     bad_k = ~np.isfinite(k_raw) | (k_raw < 0) | (k_raw != np.round(k_raw))
     if np.any(bad_k):
         raise ValueError(
-            f"top_k must be an integer >= 0 (0 = off); bad {_bad_rows(bad_k)}: "
-            f"{k_raw[bad_k][:8].tolist()}"
+            f"top_k must be an integer >= 0 (0 = off); "
+            f"{_bad_rows(bad_k, k_raw, np.ndim(top_k) == 0)}"
         )
     bad_p = ~np.isfinite(p) | (p <= 0) | (p > 1)
     if np.any(bad_p):
         raise ValueError(
             f"top_p must be in (0, 1] (1 = off; use temperature=0 for greedy, not top_p=0); "
-            f"bad {_bad_rows(bad_p)}: {p[bad_p][:8].tolist()}"
+            f"{_bad_rows(bad_p, p, np.ndim(top_p) == 0)}"
         )
     bad_m = ~np.isfinite(m) | (m < 0) | (m > 1)
     if np.any(bad_m):
         raise ValueError(
-            f"min_p must be in [0, 1] (0 = off); bad {_bad_rows(bad_m)}: {m[bad_m][:8].tolist()}"
+            f"min_p must be in [0, 1] (0 = off); {_bad_rows(bad_m, m, np.ndim(min_p) == 0)}"
         )
     k = np.minimum(k_raw, np.iinfo(np.int32).max).astype(np.int32)
     # cast on the host and transfer: jnp.asarray would compile a small program per dtype
