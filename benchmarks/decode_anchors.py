@@ -106,7 +106,8 @@ def main():
                 gains[f"{a}_vs_{b}"] = {
                     m: round(macro[a][m] / macro[b][m] - 1.0, 4) for m in macro[a]
                 }
-    out["summary"] = {"macro": macro, "gains": gains, "prompts_per_dataset": max(len(d.prompts) for d in datasets.values()),
+    per_dataset = max(len(d.prompts) for d in datasets.values())
+    out["summary"] = {"macro": macro, "gains": gains, "prompts_per_dataset": per_dataset,
                       "temperature": e.temperature,
                       "platform": f"{platform.machine()} {jax.default_backend()} x{os.cpu_count()}"}  # fmt: skip
     print(json.dumps(out))
