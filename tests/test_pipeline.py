@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,8 @@ def _check_report(run_dir: Path, kinds=("dspark", "dflash", "eagle3")):
         for v in rep["per_dataset"][k].values():
             assert v["rounds"] > 0 and 1.0 <= v["tau"]
             assert len(v["conditional_acceptance"]) == len(v["prefix_survival"])
-    assert "dspark_vs_dflash" in rep["relative_macro_gain"]
+    if "dflash" in kinds:
+        assert "dspark_vs_dflash" in rep["relative_macro_gain"]
     assert rep["calibration"] is not None and len(rep["calibration"]["per_position"]) >= 1
     assert rep["speed_batch1"]["speedup"] > 0
     assert rep["speed_batch1"]["slots"] == 1 and rep["speed_batch1"]["rounds_per_call"] == 8
@@ -50,10 +52,22 @@ def _check_report(run_dir: Path, kinds=("dspark", "dflash", "eagle3")):
     return rep
 
 
+def _first_micro_run(run_dir: Path) -> str:
+    """The micro preset from an empty run directory; its stdout. CI's first step has already run
+    it (in a brand-new venv with the base install, `.ci/run`) and names that run directory and
+    its output in DSPARK_TEST_MICRO_RUN / DSPARK_TEST_MICRO_LOG: the checks below then read a
+    copy of that run instead of training the same models a second time."""
+    given, log = os.environ.get("DSPARK_TEST_MICRO_RUN"), os.environ.get("DSPARK_TEST_MICRO_LOG")
+    if given and log:
+        shutil.copytree(given, run_dir)  # a copy: the checks below change it
+        return Path(log).read_text()
+    return _run(["--config", "configs/micro.py", "--run-dir", str(run_dir)])
+
+
 @pytest.mark.slow
 def test_micro_pipeline_end_to_end_and_resume(tmp_path):
     run_dir = tmp_path / "micro"
-    out = _run(["--config", "configs/micro.py", "--run-dir", str(run_dir)])
+    out = _first_micro_run(run_dir)
     assert "| drafter |" in out
     # the overall progress line before every stage, and the whole run's time at the end
     assert out.count("[pipeline] ") == 8 and "min left in all" in out
@@ -251,7 +265,11 @@ def scaled_preset_overrides(cfg: PipelineConfig, factor: float = PRESET_SCALE) -
 def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
     """configs/qwen3_4b_dspark.py end to end on a tiny random Qwen3 checkpoint saved by
     transformers, every length and count as the preset sets them scaled by PRESET_SCALE, on the
-    preset's fsdp=2 x tensor=4 mesh (8 simulated CPU devices): every stage runs on the mesh."""
+    preset's fsdp=2 x tensor=4 mesh (8 simulated CPU devices): every stage runs on the mesh.
+    DSpark only: DFlash and Eagle3 on fsdp x tensor meshes are covered where they differ from
+    DSpark — training (tests/test_distributed.py), the sharded serving engine
+    (tests/test_engine_sharded.py) — and all three through every stage by the micro preset's test
+    above; each took ~45 s of compiling here on 8 simulated devices."""
     torch = pytest.importorskip("torch")
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -283,6 +301,7 @@ def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
     sets = [
         f"target.path={ckpt}", "target.target_layer_ids=0,1,2",  # the model swap
         f"data.conversation_files={conv}", "data.eval_prompt_files=" + ",".join(evals),
+        "drafters.kinds=dspark",
         "drafters.train.total_steps=2", "drafters.train.eval_interval=2",
         "drafters.train.checkpoint_interval=2",
         "evaluate.speed_reps=0",  # the timing breakdown: minutes of compiling on 8 CPU devices
@@ -296,5 +315,5 @@ def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
     for s in sets:
         args += ["--set", s]
     _run(args, devices=8, timeout=1200)
-    rep = _check_report(run_dir)
+    rep = _check_report(run_dir, kinds=("dspark",))
     assert set(rep["datasets"]) == {Path(e).stem for e in evals}
