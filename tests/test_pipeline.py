@@ -141,6 +141,26 @@ def test_pipeline_eta_counts_the_stages_left_at_this_runs_pace():
     assert f"about {2 * (left - regen) / 60:.0f} min left" in eta.line("drafters")
 
 
+def test_pipeline_eta_on_a_checkpoint_of_ones_own_waits_for_a_measured_stage():
+    """The demo's prices are its own small target's: on the Qwen3-4B preset they predict
+    ~190,000 minutes. A run on its own checkpoint names no time until a stage that decodes or
+    trains has run, then prices the rest at that run's pace."""
+    from dspark_jax.run.eta import PipelineEta
+    from dspark_jax.run.staged import STAGES
+
+    ns: dict = {}
+    exec((ROOT / "configs" / "qwen3_4b_dspark.py").read_text(), ns)
+    cfg = apply_overrides(ns["config"](), ["target.path=/models/Qwen3-4B"])
+    eta = PipelineEta(cfg, STAGES)
+    for s in ("corpus", "tokenizer", "target", "regenerate"):
+        line = eta.line(s)
+        assert "min left" not in line and "time left known once a stage" in line, line
+        eta.done(s, 1.0 if s != "regenerate" else 3600.0)
+    pace = 3600.0 / eta.predicted["regenerate"]
+    left = sum(eta.predicted[s] for s in STAGES[4:]) * pace
+    assert f"about {left / 60:.0f} min left in all" in eta.line("drafters")
+
+
 def test_unknown_override_keys_are_errors():
     cfg = PipelineConfig()
     with pytest.raises(ConfigError, match="no field 'stepz'"):
@@ -314,6 +334,10 @@ def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
     args = ["--config", "configs/qwen3_4b_dspark.py", "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]
-    _run(args, devices=8, timeout=1200)
+    out = _run(args, devices=8, timeout=1200)
+    # the demo's prices do not fit a checkpoint of one's own: no number until a stage has run
+    lines = {x.split(" (")[0]: x for x in out.splitlines() if x.startswith("[pipeline] ")}
+    assert "time left known once" in lines["[pipeline] regenerate"]
+    assert "min left in all" in lines["[pipeline] drafters"]
     rep = _check_report(run_dir, kinds=("dspark",))
     assert set(rep["datasets"]) == {Path(e).stem for e in evals}

@@ -5,6 +5,10 @@ new tokens, ...) and priced at the seconds per unit that the tiny demo measured 
 (`DEMO_SECONDS_PER_UNIT`, from its run's stage times). Once a stage has run, the estimate is
 rescaled by this run's own pace (seconds taken / seconds predicted so far), so a faster machine,
 a GPU or a larger model corrects the prices after the first stage that trains or decodes.
+
+The prices are the demo's own small target's. A run on a checkpoint of its own (`target.path`,
+e.g. the Qwen3-4B preset) has no price until one of its stages has run — the demo's CPU rates
+put that preset at ~190,000 minutes — so its line says the time left is known once one has run.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class PipelineEta:
         self.predicted = {s: stage_work(cfg, s) * DEMO_SECONDS_PER_UNIT[s] for s in self.stages}
         self.taken: dict[str, float] = {}
         self.t0 = time.perf_counter()
+        self.priced = not cfg.target.path  # the demo's prices fit its own target only
 
     def done(self, stage: str, seconds: float) -> None:
         self.taken[stage] = seconds
@@ -62,16 +67,22 @@ class PipelineEta:
     def pace(self) -> float:
         """Seconds taken / seconds predicted over the stages that ran (1 before any did); the
         two short set-up stages are left out, their time says little about the machine."""
-        ran = [s for s in self.taken if s not in ("corpus", "tokenizer") and self.predicted[s]]
+        ran = self._measured()
         if not ran:
             return 1.0
         return sum(self.taken[s] for s in ran) / sum(self.predicted[s] for s in ran)
 
+    def _measured(self) -> list[str]:
+        return [s for s in self.taken if s not in ("corpus", "tokenizer") and self.predicted[s]]
+
     def line(self, stage: str) -> str:
-        """`[pipeline] <stage> (i/n): x min so far, about y min left in all`."""
-        todo = [s for s in self.stages if s not in self.taken]
-        left = sum(self.predicted[s] for s in todo) * self.pace()
+        """`[pipeline] <stage> (i/n): x min so far, about y min left in all` (or, before a run
+        on its own checkpoint has timed a stage that decodes or trains, `time left known once ...`)."""
         i = self.stages.index(stage) + 1
         so_far = (time.perf_counter() - self.t0) / 60
-        return (f"[pipeline] {stage} ({i}/{len(self.stages)}): {so_far:.1f} min so far, "
-                f"about {left / 60:.0f} min left in all")  # fmt: skip
+        head = f"[pipeline] {stage} ({i}/{len(self.stages)}): {so_far:.1f} min so far, "
+        if not self.priced and not self._measured():
+            return head + "time left known once a stage that decodes or trains has run"
+        todo = [s for s in self.stages if s not in self.taken]
+        left = sum(self.predicted[s] for s in todo) * self.pace()
+        return head + f"about {left / 60:.0f} min left in all"
