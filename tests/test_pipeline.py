@@ -159,6 +159,12 @@ def test_pipeline_eta_on_a_checkpoint_of_ones_own_waits_for_a_measured_stage():
     pace = 3600.0 / eta.predicted["regenerate"]
     left = sum(eta.predicted[s] for s in STAGES[4:]) * pace
     assert f"about {left / 60:.0f} min left in all" in eta.line("drafters")
+    # data with fewer prompts than the preset's caps: the pace is measured on the prompts it had
+    eta = PipelineEta(cfg, STAGES)
+    cap = cfg.regenerate.max_prompts + cfg.calibrate.max_prompts
+    full = eta.predicted["regenerate"]
+    eta.done("regenerate", 3600.0, {"prompts": cap // 100, "seconds": 3600.0})
+    assert eta.pace() == pytest.approx(3600.0 / (full * (cap // 100) / cap))
 
 
 def test_unknown_override_keys_are_errors():

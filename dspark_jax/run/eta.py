@@ -57,9 +57,17 @@ class PipelineEta:
         self.taken: dict[str, float] = {}
         self.t0 = time.perf_counter()
         self.priced = not cfg.target.path  # the demo's prices fit its own target only
+        # regenerate answers at most this many prompts (`Pipeline._regen_requests`)
+        self.cap_prompts = cfg.regenerate.max_prompts + cfg.calibrate.max_prompts
 
-    def done(self, stage: str, seconds: float) -> None:
+    def done(self, stage: str, seconds: float, info: dict | None = None) -> None:
+        """`stage` took `seconds`; `info` (its done.json) may say how many prompts it really
+        had (the configured counts are caps: the data can hold fewer), and the pace is then
+        measured on that work."""
         self.taken[stage] = seconds
+        n = (info or {}).get("prompts")
+        if stage == "regenerate" and n is not None and self.predicted[stage]:
+            self.predicted[stage] *= min(1.0, n / max(self.cap_prompts, 1))
 
     def skipped(self, stage: str) -> None:
         self.predicted[stage] = 0.0

@@ -214,7 +214,7 @@ class StagedRun:
             self.rundir.forget()
             self._write_config()
             self.status[s] = "ran"
-            eta.done(s, self.timings[s])
+            eta.done(s, self.timings[s], info)
             self.log(f"[{s}] done in {self.timings[s]:.1f}s")
         if self.timings:
             self.log(f"[pipeline] done in {sum(self.timings.values()) / 60:.1f} min")
