@@ -171,6 +171,12 @@ class PipelineConfig:
     calibrate: CalibrateStage = CalibrateStage()
     evaluate: EvalStage = EvalStage()
 
+    @property
+    def regenerate_prompt_cap(self) -> int:
+        """The most prompts regenerate answers: the drafters' training prompts and the
+        calibration split after them (fewer when the data holds fewer)."""
+        return self.regenerate.max_prompts + self.calibrate.max_prompts
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

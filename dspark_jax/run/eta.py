@@ -22,21 +22,23 @@ DEMO_SECONDS_PER_UNIT = {
     "corpus": 5.0,  # the embedded corpus (one unit)
     "tokenizer": 3.0,  # training the tokenizer (one unit)
     "target": 441.0 / (200 * 16 * 256),  # per training token
-    "regenerate": 192.0 / (1200 * 128),  # per prompt x max_new_tokens
+    "regenerate": 192.0 / (1248 * 128),  # per prompt answered x max_new_tokens
     "drafters": 826.0 / (3 * 300 * 8),  # per drafter x step x sequence (incl. the feature cache)
     "calibrate": 27.0 / (48 * 96),  # per prompt x max_new_tokens
     "evaluate": 287.0 / (3 * 72 * 96 * 2),  # per drafter x prompt x new token x temperature
 }
 
 
-def stage_work(cfg, stage: str) -> float:
-    """The work of `stage` under `cfg` (a PipelineConfig), in `DEMO_SECONDS_PER_UNIT`'s units."""
+def stage_work(cfg, stage: str, prompts: int | None = None) -> float:
+    """The work of `stage` under `cfg` (a PipelineConfig), in `DEMO_SECONDS_PER_UNIT`'s units;
+    `prompts`: how many regenerate really answered (default: its cap, the configured counts)."""
     t, d, e = cfg.target, cfg.drafters, cfg.evaluate
     if stage == "target":
         return 0.0 if t.path else float(t.train.total_steps * t.train.global_batch_size
                                         * max(t.train.seq_buckets))  # fmt: skip
     if stage == "regenerate":
-        return float(cfg.regenerate.max_prompts * cfg.regenerate.max_new_tokens)
+        n = cfg.regenerate_prompt_cap if prompts is None else prompts
+        return float(n * cfg.regenerate.max_new_tokens)
     if stage == "drafters":
         return float(len(d.kinds) * d.train.total_steps * d.train.global_batch_size)
     if stage == "calibrate":
@@ -52,22 +54,21 @@ class PipelineEta:
     """Predicted seconds per stage still to run, rescaled by the pace of the stages done."""
 
     def __init__(self, cfg, stages):
+        self.cfg = cfg
         self.stages = list(stages)
         self.predicted = {s: stage_work(cfg, s) * DEMO_SECONDS_PER_UNIT[s] for s in self.stages}
         self.taken: dict[str, float] = {}
         self.t0 = time.perf_counter()
         self.priced = not cfg.target.path  # the demo's prices fit its own target only
-        # regenerate answers at most this many prompts (`Pipeline._regen_requests`)
-        self.cap_prompts = cfg.regenerate.max_prompts + cfg.calibrate.max_prompts
 
     def done(self, stage: str, seconds: float, info: dict | None = None) -> None:
         """`stage` took `seconds`; `info` (its done.json) may say how many prompts it really
         had (the configured counts are caps: the data can hold fewer), and the pace is then
         measured on that work."""
         self.taken[stage] = seconds
-        n = (info or {}).get("prompts")
-        if stage == "regenerate" and n is not None and self.predicted[stage]:
-            self.predicted[stage] *= min(1.0, n / max(self.cap_prompts, 1))
+        if stage == "regenerate" and "prompts" in (info or {}):
+            work = stage_work(self.cfg, stage, prompts=info["prompts"])
+            self.predicted[stage] = work * DEMO_SECONDS_PER_UNIT[stage]
 
     def skipped(self, stage: str) -> None:
         self.predicted[stage] = 0.0

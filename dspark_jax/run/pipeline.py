@@ -203,7 +203,7 @@ class Pipeline(StagedRun):
         convs = self._training_conversations()
         rng = np.random.default_rng(self.cfg.regenerate.seed)
         order = rng.permutation(len(convs))
-        n = min(len(convs), self.cfg.regenerate.max_prompts + self.cfg.calibrate.max_prompts)
+        n = min(len(convs), self.cfg.regenerate_prompt_cap)
         out = []
         for i in order[:n]:
             m = convs[i].messages
