@@ -14,12 +14,16 @@ The demo's target (configs/tiny.py: 16 layers x 160, vocab 2048, random init) an
 Timed interleaved after compiling, medians of ``--reps``:
   decode_b32      32 greedy decode steps at batch 32, cache 256 (regeneration, evaluation);
   verify_b1       the 8-token packed verify forward at batch 1 (a speculative round's verify);
+  verify_b8       the packed verify forward at batch 8 (8 slots x 8 tokens, cache 256): the
+                  baseline gathers every token's slot cache (`T` copies of the keys and values
+                  per layer), the current lays the queries out slot-major and reads each slot's
+                  cache in place (`models.packed`'s `slot_offset_T`);
   propose_dspark  DSpark's γ = 7 proposal at batch 1, sampled;
   propose_eagle3  Eagle3's γ = 7 proposal at batch 1, sampled.
 
 Prints ONE JSON object: ``<name>_ms`` and ``baseline_<name>_ms`` per program, ``speedup``
 (baseline / current per name), ``draft_tokens_equal`` / ``decode_tokens_equal`` (the same tokens
-on both paths), ``draft_probs_max_diff`` / ``verify_logits_max_diff`` (float reassociation in the
+on both paths), ``draft_probs_max_diff`` / ``verify_logits_max_diff`` / ``verify_b8_logits_max_diff`` (float reassociation in the
 attention only: the draws themselves are bit-identical, tests/test_spec_sampling.py), ``reps``,
 ``platform``.
 
@@ -80,7 +84,10 @@ def _draw_in_loop(keys_B, logits_BxV, sampling, scfg):
 class _Baseline:
     """Swap the replaced formulations in while programs are traced."""
 
+    on = False  # read by the batched verify's builder (an argument, not a swapped function)
+
     def __enter__(self):
+        _Baseline.on = True
         self.saved = (layers._few_queries_scores, layers._few_queries_values,
                       dspark_mod.draft_noise, dspark_mod.draw_tokens,
                       eagle3_mod.draft_noise, eagle3_mod.draw_tokens)  # fmt: skip
@@ -89,6 +96,7 @@ class _Baseline:
         dspark_mod.draw_tokens = eagle3_mod.draw_tokens = _draw_in_loop
 
     def __exit__(self, *exc):
+        _Baseline.on = False
         (layers._few_queries_scores, layers._few_queries_values,
          dspark_mod.draft_noise, dspark_mod.draw_tokens,
          eagle3_mod.draft_noise, eagle3_mod.draw_tokens) = self.saved  # fmt: skip
@@ -127,6 +135,27 @@ def _programs(tcfg, tparams, ds, options=None):
     out["verify_b1"] = (
         jax.jit(verify).lower(tparams, c1, toks).compile(options),
         (tparams, c1, toks),
+    )
+
+    n8, t8 = 8, 8 * (GAMMA + 1)
+    slot8 = jnp.repeat(jnp.arange(n8, dtype=jnp.int32), GAMMA + 1)
+    off8 = jnp.tile(jnp.arange(GAMMA + 1, dtype=jnp.int32), n8)
+    by_slot = {} if _Baseline.on else dict(slot_offset_T=off8, slot_tokens=GAMMA + 1)
+
+    def verify8(params, cache, toks):
+        pos = cache.lengths[slot8] + off8
+        o, _ = packed_forward(tcfg, params, toks, slot8, pos, off8 >= 0, cache, CACHE, **by_slot)
+        return o.logits
+
+    c8 = tf.init_cache(tcfg, n8, CACHE).with_lengths(
+        jnp.asarray(rng.integers(60, 200, n8), jnp.int32)
+    )
+    fill = lambda kv: tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in kv)
+    c8 = c8._replace(k=fill(c8.k), v=fill(c8.v))  # cached keys that matter to the logits
+    toks8 = jnp.asarray(rng.integers(5, tcfg.vocab_size, (t8,)), jnp.int32)
+    out["verify_b8"] = (
+        jax.jit(verify8).lower(tparams, c8, toks8).compile(options),
+        (tparams, c8, toks8),
     )
 
     feats = tf.forward(tcfg, tparams, tok[:1, :1].repeat(40, 1), jnp.arange(40)[None], None)[0]
@@ -192,6 +221,9 @@ def main():
     )
     res["verify_logits_max_diff"] = float(
         jnp.max(jnp.abs(outs["current"]["verify_b1"] - outs["baseline"]["verify_b1"]))
+    )
+    res["verify_b8_logits_max_diff"] = float(
+        jnp.max(jnp.abs(outs["current"]["verify_b8"] - outs["baseline"]["verify_b8"]))
     )
     res["reps"] = args.reps
     res["platform"] = f"{platform.machine()} {jax.default_backend()} x{os.cpu_count()}"

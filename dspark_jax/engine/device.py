@@ -202,8 +202,9 @@ def verify_forward(tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N,
     toks = jnp.where(off == 0, state.anchor[slot], drafts)
     pos = pos0[slot] + off
     out, cache = packed_forward(
-        tcfg, tparams, toks, slot, pos, valid, state.cache, cache_len, compute_logits=True
-    )
+        tcfg, tparams, toks, slot, pos, valid, state.cache, cache_len, compute_logits=True,
+        slot_offset_T=off, slot_tokens=g + 1,
+    )  # fmt: skip
     idx = jnp.clip(starts[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
     return out.logits[0][idx], out.features[0][idx], cache
 

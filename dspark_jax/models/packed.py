@@ -13,7 +13,12 @@ indices `<= pos` (`transformer.py`'s cache contract: the slot's committed prefix
 of this call at smaller positions, which the same layer wrote just before). Reads are bounded by
 the static `cache_len` (a cache-length bucket >= every valid token's position + 1), so attention
 costs `T x cache_len`, not `T x max_len`. With one slot (batch-1 decoding) the tokens attend to
-it directly, without the per-token gather of its cache (`T` copies of `cache_len` keys).
+it directly. With several slots and `slot_offset_T` / `slot_tokens` (token t is the
+`slot_offset_T[t]`-th of at most `slot_tokens` tokens of its slot, as the engine's verify packs
+them), the queries are laid out slot-major, `[slots, slot_tokens]`, for attention only: each
+slot's queries read that slot's cache in place, `slots x slot_tokens x cache_len` scores and no
+copy of the cache; without them every token gathers its slot's cache (`T` copies of
+`cache_len` keys and values per layer, which dominated a batched round: benchmarks/round_loop.py).
 
 This composes `transformer.py`'s modules and `layers.attend` (same parameters, same RMSNorm /
 RoPE / GQA code), so a packed forward equals the batched one up to float reassociation.
@@ -40,10 +45,12 @@ def packed_forward(
     cache_len: int,
     *,
     compute_logits: bool = True,
+    slot_offset_T: jax.Array | None = None,
+    slot_tokens: int = 0,
 ) -> tuple[tf.ForwardOut, tf.KVCache]:
-    """Static: cfg, cache_len, compute_logits, T. Returns ForwardOut with [1, T, ...] arrays
-    (logits fp32, features, hidden) and the cache with the valid tokens' K/V written (lengths
-    unchanged: the caller commits)."""
+    """Static: cfg, cache_len, compute_logits, slot_tokens, T. Returns ForwardOut with
+    [1, T, ...] arrays (logits fp32, features, hidden) and the cache with the valid tokens' K/V
+    written (lengths unchanged: the caller commits)."""
     model = tf.build(cfg, params)
     s_max = cache.max_len
     cache_len = min(int(cache_len), s_max)
@@ -54,7 +61,15 @@ def packed_forward(
     slot_row = slot_T[None, :]
     key_idx = jnp.arange(cache_len, dtype=jnp.int32)
     mask = (key_idx[None, :] <= pos_T[:, None])[None, :, None, :]  # [1, T, 1, S_b]
-    one_slot = cache.k[0].shape[0] == 1
+    n_slots = cache.k[0].shape[0]
+    one_slot = n_slots == 1
+    by_slot = not one_slot and slot_offset_T is not None
+    if by_slot:  # slot-major query layout [N * G] for attention (padding rows see no key)
+        g = int(slot_tokens)
+        row = jnp.where(valid_T, slot_T * g + slot_offset_T, n_slots * g)  # out of range: dropped
+        pos_NG = jnp.full((n_slots * g,), -1, jnp.int32).at[row].set(pos_1xT[0], mode="drop")
+        mask_NG = (key_idx[None, :] <= pos_NG[:, None]).reshape(1, n_slots, g, cache_len)
+        back = jnp.minimum(row, n_slots * g - 1)  # token t's row (padding tokens: any row)
     feats, new_k, new_v = {}, [], []
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
@@ -64,6 +79,12 @@ def packed_forward(
         cv = cv.at[slot_row, heads, write].set(v[0].astype(cv.dtype), mode="drop")
         if one_slot:  # every token reads slot 0: no per-token copy of the cache
             a = attend(q, [(ck[:, :, :cache_len], cv[:, :, :cache_len], mask[:, :, 0])])
+        elif by_slot:  # slot n's G query rows read slot n's cache in place
+            q_g = jnp.zeros((1, n_slots * g) + q.shape[2:], q.dtype).at[0, row].set(
+                q[0], mode="drop"
+            )
+            kv = (ck[None, :, :, :cache_len], cv[None, :, :, :cache_len], mask_NG)
+            a = attend(q_g, [kv])[:, back]  # [1, T, n*d]
         else:
             kg = ck[:, :, :cache_len][slot_T][None]  # [1, T, K, S_b, d]: token t's own slot
             vg = cv[:, :, :cache_len][slot_T][None]
