@@ -80,9 +80,8 @@ def packed_forward(
         if one_slot:  # every token reads slot 0: no per-token copy of the cache
             a = attend(q, [(ck[:, :, :cache_len], cv[:, :, :cache_len], mask[:, :, 0])])
         elif by_slot:  # slot n's G query rows read slot n's cache in place
-            q_g = jnp.zeros((1, n_slots * g) + q.shape[2:], q.dtype).at[0, row].set(
-                q[0], mode="drop"
-            )
+            q_g = jnp.zeros((1, n_slots * g) + q.shape[2:], q.dtype)
+            q_g = q_g.at[0, row].set(q[0], mode="drop")
             kv = (ck[None, :, :, :cache_len], cv[None, :, :, :cache_len], mask_NG)
             a = attend(q_g, [kv])[:, back]  # [1, T, n*d]
         else:
