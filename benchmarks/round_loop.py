@@ -18,6 +18,9 @@ Random weights at `configs/tiny.py`'s proportions (target 16 x 160, V = 2048, 1-
 * `ideal_speedup_at_tau`: τ · plain_step / round for the demo's τ values;
 * `prefill_ms`: one 64-token prompt chunk attending over a 128-position cache bucket vs the
   whole 1024-position slot (item 1: bounded prefill attention);
+* `dispatch_ms`: one jitted call with a round's arguments (a no-op), the params as the engine
+  passes them (`flat`: `engine.flat.FlatParams`, flattened once) vs as `nnx.State`s (flattened
+  in Python on every call, one call per variable);
 * `retraces_after_warmup`: compilations during the timed part (must be 0).
 """
 
@@ -173,7 +176,7 @@ def bench_prefill(tcfg, tp, dcfg, dp, reps):
 
         def run(s=s):
             eng.state, first, _ = eng._prefill(
-                tcfg, dcfg, eng._scfg("greedy"), s, tp, dp, eng.state, np.int32(0), toks,
+                tcfg, dcfg, eng._scfg("greedy"), s, *eng.program_params, eng.state, np.int32(0), toks,
                 toks, np.int32(0), np.int32(PROMPT), np.bool_(True), np.uint32(0), None,
                 eng.key,
             )  # fmt: skip
@@ -181,6 +184,19 @@ def bench_prefill(tcfg, tp, dcfg, dp, reps):
 
         out[str(s)] = _min_ms(run, reps * 3)
     return {"prompt": PROMPT, "cache_len_ms": out}
+
+
+def bench_dispatch(tcfg, tp, dcfg, dp, reps):
+    """One jitted call's dispatch with a round's arguments (a no-op, blocked): the params as
+    the engine passes them (`program_params`, flattened once) vs as `nnx.State`s."""
+    from dspark_jax.eval.speed import _noop
+
+    eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=1, max_len=MAX_LEN, modes=("greedy",))
+    out = {}
+    for name, (a, b) in (("flat", eng.program_params), ("nnx_state", (tp, dp))):
+        run = lambda a=a, b=b: jax.block_until_ready(_noop(a, b, eng.state))
+        out[name] = _min_ms(lambda run=run: [run() for _ in range(100)], reps) / 100
+    return out
 
 
 def main(argv=None):
@@ -197,6 +213,7 @@ def main(argv=None):
         "model": "tiny proportions, random weights (target 16x160, V=2048, DSpark 1 layer, γ=7)",
         "devices": str(jax.devices()[0]),
         "prefill": bench_prefill(tcfg, tp, dcfg, dp, args.reps),
+        "dispatch_ms": bench_dispatch(tcfg, tp, dcfg, dp, args.reps),
         "batches": [bench_batch(tcfg, tp, dcfg, dp, b, ks, args.reps) for b in args.batch],
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -223,3 +223,49 @@ def test_validated_sampling_params_are_accepted(params):
     greedy = generate(CFG, params, PROMPTS[:2], max_new_tokens=4, **BUCKETS)
     # All-zero temperatures select the static greedy mode: identical to sampling=None.
     assert generate(CFG, params, PROMPTS[:2], max_new_tokens=4, sampling=sp, **BUCKETS) == greedy
+
+
+def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params):
+    """The engine's batched verify layout (`slot_offset_T`: queries slot-major, each slot's cache
+    read in place) gives the logits and cache of the per-token gather layout and of each slot's
+    own one-slot forward: ragged slots, an idle slot, bucket padding, a filled cache."""
+    from dspark_jax.models.packed import packed_forward
+
+    rng = np.random.default_rng(3)
+    n, s_max, g, s_b = 3, 40, 5, 32
+    cache = tf.init_cache(CFG, n, s_max)
+    fill = lambda kv: tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in kv)
+    lengths = jnp.asarray([7, 12, 20], jnp.int32)
+    cache = cache._replace(k=fill(cache.k), v=fill(cache.v), lengths=lengths)
+    per_slot = [3, 0, 5]  # slot 1 idle; T = 10 with 2 padding tokens
+    slot = np.concatenate([np.full(c, i) for i, c in enumerate(per_slot)] + [np.zeros(2)])
+    off = np.concatenate([np.arange(c) for c in per_slot] + [np.zeros(2)])
+    valid = np.arange(len(slot)) < sum(per_slot)
+    slot, off = jnp.asarray(slot, jnp.int32), jnp.asarray(off, jnp.int32)
+    pos = lengths[slot] + off
+    toks = jnp.asarray(rng.integers(1, CFG.vocab_size, len(slot)), jnp.int32)
+    valid = jnp.asarray(valid)
+
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def run(by_slot, cache, toks, slot, pos, valid, off):
+        kw = dict(slot_offset_T=off, slot_tokens=g) if by_slot else {}
+        out, c = packed_forward(CFG, params, toks, slot, pos, valid, cache, s_b, **kw)
+        return out.logits[0], c.k, c.v
+
+    new, gather = (
+        run(True, cache, toks, slot, pos, valid, off),
+        run(False, cache, toks, slot, pos, valid, off),
+    )
+    m = np.asarray(valid)
+    np.testing.assert_allclose(new[0][m], gather[0][m], rtol=1e-5, atol=1e-5)
+    for a, b in zip(new[1] + new[2], gather[1] + gather[2]):
+        np.testing.assert_array_equal(a, b)
+    for i in (0, 2):  # each active slot alone, in a one-slot cache
+        one = cache._replace(
+            k=tuple(x[i : i + 1] for x in cache.k), v=tuple(x[i : i + 1] for x in cache.v),
+            lengths=lengths[i : i + 1],
+        )  # fmt: skip
+        rows = np.flatnonzero(m & (np.asarray(slot) == i))
+        z = jnp.zeros(len(rows), jnp.int32)
+        ref = run(False, one, toks[rows], z, pos[rows], z == 0, off[rows])[0]
+        np.testing.assert_allclose(new[0][rows], ref, rtol=1e-5, atol=1e-5)

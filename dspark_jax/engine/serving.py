@@ -46,6 +46,7 @@ from dspark_jax.engine import rounds as rounds_lib
 from dspark_jax.engine.commit import EngineCommit
 from dspark_jax.engine.compiles import CompileTally
 from dspark_jax.engine.driving import EngineDriving
+from dspark_jax.engine.flat import FlatParams, flat_jit
 from dspark_jax.engine.requests import (
     Delta,
     QueueFull,
@@ -130,11 +131,16 @@ class ServingEngine(EngineDriving, EngineCommit):
             has_confidence=dcfg.kind == "dspark" and bool(getattr(dcfg, "confidence_head", True)),
         )
         self.key = jax.random.key(root_seed)
-        self._prefill = jax.jit(dev.prefill_chunk, static_argnums=(0, 1, 2, 3), donate_argnums=(6,))
-        self._round = jax.jit(dev.packed_round, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
+        # the device programs take the params as FlatParams (`program_params`, engine.flat)
+        self._prefill = flat_jit(
+            dev.prefill_chunk, static_argnums=(0, 1, 2, 3), donate_argnums=(6,)
+        )
+        self._round = flat_jit(
+            dev.packed_round, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,)
+        )
         # device-resident rounds (engine.rounds): up to rounds_per_call rounds per jitted call
         self.rounds_per_call = rounds_per_call
-        self._rounds = jax.jit(rounds_lib.packed_rounds, static_argnums=tuple(range(6)),
+        self._rounds = flat_jit(rounds_lib.packed_rounds, static_argnums=tuple(range(6)),
                                donate_argnums=(8,))  # fmt: skip
         self._cuts: tuple | None = None  # (key, threshold cuts) for the device threshold policy
         self._tally = CompileTally()  # compilations caused by this engine's device calls
@@ -149,6 +155,8 @@ class ServingEngine(EngineDriving, EngineCommit):
             from dspark_jax.engine.sharding import shard_engine
 
             shard_engine(self, mesh)
+        # (target, drafter) params as the device programs take them: flattened once, not per call
+        self.program_params = (FlatParams.of(self.tparams), FlatParams.of(self.dparams))
         self._lock = threading.RLock()  # queue, requests, counters
         self._step_lock = threading.Lock()  # one step at a time
         self._work = threading.Condition(self._lock)
@@ -212,7 +220,7 @@ class ServingEngine(EngineDriving, EngineCommit):
                 for c, s in self._prefill_shapes():
                     z = np.zeros(c, np.int32)
                     self.state, *_ = self._prefill(
-                        self.tcfg, self.dcfg, scfg, s, self.tparams, self.dparams, self.state,
+                        self.tcfg, self.dcfg, scfg, s, *self.program_params, self.state,
                         np.int32(0), z, z, np.int32(0), np.int32(1), np.bool_(True),
                         np.uint32(0), sp1, self.key,
                     )  # fmt: skip
@@ -220,7 +228,7 @@ class ServingEngine(EngineDriving, EngineCommit):
                 for t in self.token_buckets:
                     for s in self.cache_buckets:
                         self.state, out = self._round(
-                            self.tcfg, self.dcfg, scfg, t, s, self.tparams, self.dparams,
+                            self.tcfg, self.dcfg, scfg, t, s, *self.program_params,
                             self.state, np.zeros(n, np.int32), np.zeros(n, bool),
                             np.zeros(n, np.uint32), sp, self.key,
                         )  # fmt: skip
@@ -342,7 +350,7 @@ class ServingEngine(EngineDriving, EngineCommit):
                 last = start + n == len(p)
                 s = self._prefill_cache_len(start + c)
                 self.state, first, conf = self._prefill(
-                    self.tcfg, self.dcfg, scfg, s, self.tparams, self.dparams, self.state,
+                    self.tcfg, self.dcfg, scfg, s, *self.program_params, self.state,
                     np.int32(req.slot), toks, nxt, np.int32(start), np.int32(n), np.bool_(last),
                     np.uint32(req.seed), sp1, self.key,
                 )  # fmt: skip
@@ -387,7 +395,7 @@ class ServingEngine(EngineDriving, EngineCommit):
         need = max(r.pos + 1 + int(lengths[r.slot]) for r in running)
         s = next(b for b in self.cache_buckets if b >= need)
         self.state, out = self._round(
-            self.tcfg, self.dcfg, self._scfg(mode), t, s, self.tparams, self.dparams,
+            self.tcfg, self.dcfg, self._scfg(mode), t, s, *self.program_params,
             self.state, lengths, active, seeds, sp, self.key,
         )  # fmt: skip
         self.scheduler.prepare_next(len(running))  # overlaps the device's round
@@ -431,6 +439,6 @@ class ServingEngine(EngineDriving, EngineCommit):
         seeds = np.zeros(n, np.uint32) if seeds is None else seeds
         return self._rounds(
             self.tcfg, self.dcfg, self._scfg(mode), self.token_buckets, self.cache_buckets,
-            self.rounds_per_call, self.tparams, self.dparams, self.state, active, seeds, sp,
+            self.rounds_per_call, *self.program_params, self.state, active, seeds, sp,
             self.key, room, stop, gamma_p, use_thr, cuts, np.int32(n_rounds),
         )  # fmt: skip

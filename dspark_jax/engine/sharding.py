@@ -89,6 +89,7 @@ def shard_engine(engine, mesh: Mesh) -> None:
     jitted device functions so that the state keeps its layout (called from its __init__)."""
     from dspark_jax.engine import device as dev
     from dspark_jax.engine import rounds as rounds_lib
+    from dspark_jax.engine.flat import flat_jit
 
     engine.mesh = mesh
     engine.tparams = place_params(engine.tparams, mesh)
@@ -100,19 +101,19 @@ def shard_engine(engine, mesh: Mesh) -> None:
     # outputs pinned to the very sharding objects the state was placed with: the next call sees
     # identical argument shardings (a `with_sharding_constraint` may spell them differently,
     # e.g. P() vs P(None), which is a new jit cache entry)
-    engine._prefill = jax.jit(
+    engine._prefill = flat_jit(
         dev.prefill_chunk,
         static_argnums=(0, 1, 2, 3),
         donate_argnums=(6,),
         out_shardings=(sh, repl, repl),
     )
-    engine._round = jax.jit(
+    engine._round = flat_jit(
         dev.packed_round,
         static_argnums=(0, 1, 2, 3, 4),
         donate_argnums=(7,),
         out_shardings=(sh, repl),
     )
-    engine._rounds = jax.jit(
+    engine._rounds = flat_jit(
         rounds_lib.packed_rounds,
         static_argnums=tuple(range(6)),
         donate_argnums=(8,),

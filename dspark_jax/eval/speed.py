@@ -210,8 +210,8 @@ def round_breakdown(
         full, active = np.full(1, g, np.int32), np.ones(1, bool)
 
         def run_round(st, eng=eng, g=g, scfg=scfg, sp=sp, seeds=seeds, full=full, active=active):
-            st, out = eng._round(tcfg, eng.dcfg, scfg, g + 1, eng.max_len, eng.tparams,
-                                 eng.dparams, st, full, active, seeds, sp, eng.key)  # fmt: skip
+            st, out = eng._round(tcfg, eng.dcfg, scfg, g + 1, eng.max_len, *eng.program_params,
+                                 st, full, active, seeds, sp, eng.key)  # fmt: skip
             jax.block_until_ready(out)
             return st
 
@@ -219,8 +219,8 @@ def round_breakdown(
             return _ms(lambda: jax.block_until_ready(_propose_jit(
                 eng.dcfg, scfg, eng.dparams, slot.snapshot, eng.key, seeds, sp)))  # fmt: skip
 
-        timers[f"dispatch_{kind}"] = lambda slot=slot, dparams=dparams: _ms(
-            lambda: jax.block_until_ready(_noop(tparams, dparams, slot.snapshot))
+        timers[f"dispatch_{kind}"] = lambda slot=slot, eng=eng: _ms(
+            lambda: jax.block_until_ready(_noop(*eng.program_params, slot.snapshot))
         )
         timers[f"propose_{kind}"] = propose
         timers[f"round_{kind}"] = lambda slot=slot, run=run_round: slot.round_ms(run)
