@@ -229,10 +229,11 @@ def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params)
     """The engine's batched verify layout (`slot_offset_T`: queries slot-major, each slot's cache
     read in place) gives the logits and cache of the per-token gather layout and of each slot's
     own one-slot forward: ragged slots, an idle slot, bucket padding, a filled cache."""
-    from dspark_jax.models.packed import packed_forward
+    from dspark_jax.models.packed import SLOT_MAJOR_PAD, packed_forward
 
     rng = np.random.default_rng(3)
     n, s_max, g, s_b = 3, 40, 5, 32
+    assert n * g <= SLOT_MAJOR_PAD * 10  # T = 10 below: the slot-major layout is the one run
     cache = tf.init_cache(CFG, n, s_max)
     fill = lambda kv: tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in kv)
     lengths = jnp.asarray([7, 12, 20], jnp.int32)

@@ -17,8 +17,10 @@ it directly. With several slots and `slot_offset_T` / `slot_tokens` (token t is 
 `slot_offset_T[t]`-th of at most `slot_tokens` tokens of its slot, as the engine's verify packs
 them), the queries are laid out slot-major, `[slots, slot_tokens]`, for attention only: each
 slot's queries read that slot's cache in place, `slots x slot_tokens x cache_len` scores and no
-copy of the cache; without them every token gathers its slot's cache (`T` copies of
-`cache_len` keys and values per layer, which dominated a batched round: benchmarks/round_loop.py).
+copy of the cache — when those padded rows are at most `SLOT_MAJOR_PAD` x T (a static choice per
+token bucket). Otherwise every token gathers its slot's cache (`T` copies of `cache_len` keys
+and values per layer, which dominated a full batched round; cheaper when few slots' tokens are
+verified: benchmarks/verify_layout.py).
 
 This composes `transformer.py`'s modules and `layers.attend` (same parameters, same RMSNorm /
 RoPE / GQA code), so a packed forward equals the batched one up to float reassociation.
@@ -32,6 +34,11 @@ import jax.numpy as jnp
 from dspark_jax.config import TargetConfig
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.layers import attend
+
+# The slot-major layout's padded query rows (slots x slot_tokens) at most this many times the
+# bucket's tokens: measured crossover of the two layouts on the demo's target at 8 and 32 slots
+# (benchmarks/verify_layout.py)
+SLOT_MAJOR_PAD = 4
 
 
 def packed_forward(
@@ -63,7 +70,13 @@ def packed_forward(
     mask = (key_idx[None, :] <= pos_T[:, None])[None, :, None, :]  # [1, T, 1, S_b]
     n_slots = cache.k[0].shape[0]
     one_slot = n_slots == 1
-    by_slot = not one_slot and slot_offset_T is not None
+    # slot-major pays attention for every slot's G rows; the gather pays a copy per token: the
+    # first wins once the padded rows are at most SLOT_MAJOR_PAD x the tokens
+    by_slot = (
+        not one_slot
+        and slot_offset_T is not None
+        and n_slots * slot_tokens <= SLOT_MAJOR_PAD * tokens_T.shape[0]
+    )
     if by_slot:  # slot-major query layout [N * G] for attention (padding rows see no key)
         g = int(slot_tokens)
         row = jnp.where(valid_T, slot_T * g + slot_offset_T, n_slots * g)  # out of range: dropped
