@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     g.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from dspark_jax.engine import server_cli  # `serve` and `bench` (HTTP server, load test)
-    from dspark_jax.parallel import add_distributed_flags, init_distributed
+    from dspark_jax.launch import add_distributed_flags, init_distributed
 
     g.add_argument("--mesh", default="", metavar="DATA,FSDP,TENSOR",
                    help="device mesh, e.g. 1,1,8 = tensor parallel over 8 devices")  # fmt: skip

@@ -56,25 +56,30 @@ def main(argv=None) -> int:
     ap.add_argument("--run-dir", default="", help="override run_dir")
     ap.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from dspark_jax.compile_cache import enable_compilation_cache
-    from dspark_jax.parallel import add_distributed_flags, init_distributed
+    from dspark_jax.launch import add_distributed_flags, init_distributed
 
     add_distributed_flags(ap)
     args = ap.parse_args(argv)
 
-    from dspark_jax.pipeline_config import apply_overrides
+    from dspark_jax.pipeline_config import STAGES, apply_overrides
     from dspark_jax.run.cli import report, user_errors
-    from dspark_jax.run.pipeline import STAGES, Pipeline, stage_summary
+    from dspark_jax.run.validate import check_stage_names, validate_config
 
     try:
-        # before anything touches devices or compiles
-        enable_compilation_cache()
-        init_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed)
+        # the configuration first, before jax is imported: a mistake is reported in ~0.3 s
         cfg = load_config(args.config)
         sets = list(args.set) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
         cfg = apply_overrides(cfg, sets)
+        validate_config(cfg)
         stages = tuple(s for s in args.stages.split(",") if s) or STAGES
         force = tuple(s for s in args.force.split(",") if s)
+        check_stage_names(stages, force)
+        from dspark_jax.compile_cache import enable_compilation_cache
+        from dspark_jax.run.pipeline import Pipeline, stage_summary
+
+        # before anything touches devices or compiles
+        enable_compilation_cache()
+        init_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed)
         pipe = Pipeline(cfg)
         pipe.run_stages(stages, force=force)
     except user_errors() as e:

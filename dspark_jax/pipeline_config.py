@@ -21,6 +21,9 @@ from dspark_jax.config import MeshConfig, TargetConfig, TrainConfig, from_json
 from dspark_jax.demo.corpus import CorpusConfig
 from dspark_jax.errors import ConfigError
 
+# the pipeline's stages, in order (train.py --stages / --force name them)
+STAGES = ("corpus", "tokenizer", "target", "regenerate", "drafters", "calibrate", "evaluate")
+
 
 @dataclasses.dataclass(frozen=True)
 class DataStage:

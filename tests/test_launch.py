@@ -15,13 +15,15 @@ import pytest
 
 from dspark_jax.config import MeshConfig
 from dspark_jax.errors import ConfigError
-from dspark_jax.parallel import init_distributed, local_mesh
+from dspark_jax.launch import init_distributed
+from dspark_jax.parallel import local_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = """
 import json, sys
-from dspark_jax.parallel import add_distributed_flags, init_distributed, make_mesh
+from dspark_jax.launch import add_distributed_flags, init_distributed
+from dspark_jax.parallel import make_mesh
 import argparse, jax
 ap = argparse.ArgumentParser()
 add_distributed_flags(ap)
@@ -118,7 +120,7 @@ STAGED_CHILD = """
 import json, sys
 from pathlib import Path
 import jax
-from dspark_jax.parallel import init_distributed
+from dspark_jax.launch import init_distributed
 init_distributed(sys.argv[1], 2, int(sys.argv[2]))
 from dspark_jax.run.staged import StagedRun
 sys.path.insert(0, sys.argv[4])

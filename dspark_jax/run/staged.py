@@ -19,13 +19,12 @@ import jax
 
 from dspark_jax.errors import ConfigError
 from dspark_jax.io import FileHasher, canonical_hash, write_json_atomic
-from dspark_jax.pipeline_config import PipelineConfig, absolute_paths
+from dspark_jax.pipeline_config import STAGES, PipelineConfig, absolute_paths
 from dspark_jax.run.eta import PipelineEta
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.run.store import StageStore
-from dspark_jax.run.validate import validate_config, validate_inputs
+from dspark_jax.run.validate import check_stage_names, validate_config, validate_inputs
 
-STAGES = ("corpus", "tokenizer", "target", "regenerate", "drafters", "calibrate", "evaluate")
 _TOKENIZER_FILES = ("tokenizer*.json", "*.jinja", "special_tokens_map.json", "vocab*", "merges*")
 _CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
 
@@ -170,9 +169,7 @@ class StagedRun:
         return self.store.done_info(stage) or {}
 
     def run_stages(self, stages=STAGES, *, force=()):
-        unknown = [s for s in (*stages, *force) if s not in STAGES]
-        if unknown:
-            raise ConfigError(f"unknown stage(s) {unknown} — stages: {', '.join(STAGES)}")
+        check_stage_names(stages, force)
         # a stage that is not run here must already be there for the stages that read it
         needed = {u for t in stages for u in self._reads(t)[2]} - set(stages)
         missing = [s for s in STAGES if s in needed and not self._recover(s)]

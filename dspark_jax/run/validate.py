@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dspark_jax.config import MARKOV_HEAD_TYPES, TargetConfig
 from dspark_jax.errors import ConfigError, DataError
-from dspark_jax.pipeline_config import PipelineConfig
+from dspark_jax.pipeline_config import STAGES, PipelineConfig
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 
@@ -72,6 +72,13 @@ _NO_RANGE = {
 # (the TrainConfig sections check their own cross-field rules when built; their sequence
 # lengths must hold a rendered sample)
 _MIN_SEQ_LEN = 8
+
+
+def check_stage_names(stages, force=()) -> None:
+    """Every name in `--stages` / `--force` is a stage."""
+    unknown = [s for s in (*stages, *force) if s not in STAGES]
+    if unknown:
+        raise ConfigError(f"unknown stage(s) {unknown} — stages: {', '.join(STAGES)}")
 
 
 def validate_config(cfg: PipelineConfig) -> None:
