@@ -7,8 +7,9 @@ bucket) runs twice before timing, and the compilations during the timed part are
 shuffled order, medians reported; absolute times on a shared CPU are noise, the ratios are not.
 
 Round breakdown, on the serving engine's own programs (`engine.device`, one slot, fixed γ,
-blocked calls; the cost of one dispatch with the same arguments, a jitted no-op, is subtracted
-from each separately called component):
+blocked calls, the params passed as the engine passes them, `engine.flat.FlatParams`; the cost
+of one dispatch with the same arguments, a jitted no-op, is subtracted from each separately
+called component):
   propose  the drafter's γ drafts (`drafters.propose` on the slot state, as the round ends);
   verify   the target's packed forward over the γ+1 tokens (`models.packed.packed_forward`,
            the round's own token and cache buckets);
@@ -38,6 +39,7 @@ import numpy as np
 from dspark_jax import drafters as drafters_lib
 from dspark_jax.buckets import pow2_bucket
 from dspark_jax.engine import RequestParams, ServingEngine
+from dspark_jax.engine.flat import flat_jit
 from dspark_jax.errors import ConfigError
 from dspark_jax.models.generate import generate
 from dspark_jax.models.packed import packed_forward
@@ -63,7 +65,7 @@ def _propose(dcfg, scfg, dparams, state, key, seeds, sp):
                                 rounds_B=state.rounds)  # fmt: skip
 
 
-_propose_jit = jax.jit(_propose, static_argnums=(0, 1))
+_propose_jit = flat_jit(_propose, static_argnums=(0, 1))
 
 
 def _forward(tcfg, cache_len, tparams, state, drafts):
@@ -75,7 +77,7 @@ def _forward(tcfg, cache_len, tparams, state, drafts):
     return packed_forward(tcfg, tparams, toks, zeros, pos, zeros == 0, state.cache, cache_len)
 
 
-_forward_jit = jax.jit(_forward, static_argnums=(0, 1))
+_forward_jit = flat_jit(_forward, static_argnums=(0, 1))
 
 
 class _Slot:
@@ -217,7 +219,7 @@ def round_breakdown(
 
         def propose(slot=slot, eng=eng, scfg=scfg, sp=sp, seeds=seeds):
             return _ms(lambda: jax.block_until_ready(_propose_jit(
-                eng.dcfg, scfg, eng.dparams, slot.snapshot, eng.key, seeds, sp)))  # fmt: skip
+                eng.dcfg, scfg, eng.program_params[1], slot.snapshot, eng.key, seeds, sp)))  # fmt: skip
 
         timers[f"dispatch_{kind}"] = lambda slot=slot, eng=eng: _ms(
             lambda: jax.block_until_ready(_noop(*eng.program_params, slot.snapshot))
@@ -243,7 +245,7 @@ def round_breakdown(
         for t in ts:
             drafts = jnp.zeros((t - 1,), jnp.int32) + slot.snapshot.anchor[0]
             timers[f"fwd_{t}"] = lambda drafts=drafts: _ms(lambda: jax.block_until_ready(
-                _forward_jit(tcfg, s_len, tparams, slot.snapshot, drafts)))  # fmt: skip
+                _forward_jit(tcfg, s_len, slot.eng.program_params[0], slot.snapshot, drafts)))  # fmt: skip
     for fn in timers.values():  # compile and warm every program
         fn()
         fn()
