@@ -1,8 +1,9 @@
 """Multi-process launch flags and `jax.distributed` initialisation (one command per host).
 
-Importing this module does not import jax: `train.py` and `serve.py` register these flags and
-check their whole configuration before jax loads, so a mistake is reported in a fraction of a
-second; `init_distributed` then imports jax and must run before anything touches devices.
+Importing this module does not import jax: `train.py` registers these flags and checks its
+preset, overrides and stage names before jax loads, so such a mistake is reported in a fraction
+of a second (`serve.py` registers them too, but imports jax first); `init_distributed` then
+imports jax and must run before anything touches devices.
 """
 
 from __future__ import annotations
