@@ -17,7 +17,7 @@ Timed interleaved after compiling, medians of ``--reps``:
   verify_b8       the packed verify forward at batch 8 (8 slots x 8 tokens, cache 256): the
                   baseline gathers every token's slot cache (`T` copies of the keys and values
                   per layer), the current lays the queries out slot-major and reads each slot's
-                  cache in place (`models.packed`'s `slot_offset_T`);
+                  cache in place (`models.packed`'s `slot_tokens`);
   propose_dspark  DSpark's γ = 7 proposal at batch 1, sampled;
   propose_eagle3  Eagle3's γ = 7 proposal at batch 1, sampled.
 
@@ -125,9 +125,10 @@ def _programs(tcfg, tparams, ds, options=None):
     )
 
     def verify(params, cache, toks):
-        pos = cache.lengths[0] + jnp.arange(GAMMA + 1, dtype=jnp.int32)
+        off = jnp.arange(GAMMA + 1, dtype=jnp.int32)
         zeros = jnp.zeros((GAMMA + 1,), jnp.int32)
-        o, _ = packed_forward(tcfg, params, toks, zeros, pos, zeros == 0, cache, CACHE)
+        o, _ = packed_forward(tcfg, params, toks, zeros, off, cache.lengths[0] + off, off >= 0,
+                              cache, CACHE)  # fmt: skip
         return o.logits
 
     c1 = tf.init_cache(tcfg, 1, CACHE).with_lengths(jnp.array([100], jnp.int32))
@@ -140,11 +141,12 @@ def _programs(tcfg, tparams, ds, options=None):
     n8, t8 = 8, 8 * (GAMMA + 1)
     slot8 = jnp.repeat(jnp.arange(n8, dtype=jnp.int32), GAMMA + 1)
     off8 = jnp.tile(jnp.arange(GAMMA + 1, dtype=jnp.int32), n8)
-    by_slot = {} if _Baseline.on else dict(slot_offset_T=off8, slot_tokens=GAMMA + 1)
+    by_slot = 0 if _Baseline.on else GAMMA + 1  # slot_tokens 0: the per-token gather
 
     def verify8(params, cache, toks):
         pos = cache.lengths[slot8] + off8
-        o, _ = packed_forward(tcfg, params, toks, slot8, pos, off8 >= 0, cache, CACHE, **by_slot)
+        o, _ = packed_forward(tcfg, params, toks, slot8, off8, pos, off8 >= 0, cache, CACHE,
+                              slot_tokens=by_slot)  # fmt: skip
         return o.logits
 
     c8 = tf.init_cache(tcfg, n8, CACHE).with_lengths(

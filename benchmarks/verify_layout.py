@@ -50,9 +50,9 @@ def _layout(per_slot):
 
 def _program(tcfg, s, slot_major: bool):
     def fwd(params, cache, toks, slot, off):
-        kw = dict(slot_offset_T=off, slot_tokens=G) if slot_major else {}
         pos = cache.lengths[slot] + off
-        out, _ = packed.packed_forward(tcfg, params, toks, slot, pos, off >= 0, cache, s, **kw)
+        out, _ = packed.packed_forward(tcfg, params, toks, slot, off, pos, off >= 0, cache, s,
+                                       slot_tokens=G if slot_major else 0)  # fmt: skip
         return out.logits
 
     return jax.jit(fwd)

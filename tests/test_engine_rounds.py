@@ -103,3 +103,36 @@ def test_threshold_cuts_match_the_host_policy():
         rho = np.concatenate([rho, np.nan_to_num(near, posinf=1e30, neginf=-1e30)])
         host = sts.probs(rho) >= theta
         assert np.array_equal(rho >= cuts[None, :], host), theta
+
+
+def test_rounds_update_the_cache_in_place():
+    """Neither the one-round program nor the K-round loop (a `lax.switch` over (T, S) verify
+    programs) copies a cache layer: the verify forward writes each layer's K/V before reading
+    it, the switch's branches only read the cache and return the tokens' K/V. (A write after
+    the reads, or a branch returning the cache, made XLA copy the whole cache every round: a
+    batch-8 round 16 -> 36 ms, benchmarks/round_loop.py.)"""
+    import re
+
+    from dspark_jax.engine.rounds import MAX_STOP_IDS
+
+    tcfg, tp, dcfg, dp = agreeing_pair(vocab=64, gamma=G)
+    kw = dict(KW, token_buckets=(6, 15), modes=("greedy",))
+    eng = ServingEngine(tcfg, dcfg, tp, dp, rounds_per_call=4, **kw)
+    n, scfg = eng.num_slots, eng._scfg("greedy")
+    active, seeds = np.ones(n, bool), np.zeros(n, np.uint32)
+    full = np.full(n, G, np.int32)
+    one = eng._round.lower(
+        tcfg, dcfg, scfg, 15, 96, *eng.program_params, eng.state, full, active, seeds, None, eng.key
+    )  # fmt: skip
+    stop = np.full((n, MAX_STOP_IDS), -1, np.int32)
+    many = eng._rounds.lower(
+        tcfg, dcfg, scfg, eng.token_buckets, eng.cache_buckets, 4, *eng.program_params,
+        eng.state, active, seeds, None, eng.key, np.full(n, 50, np.int32), stop, np.int32(G),
+        np.bool_(False), np.zeros(G, np.float32), np.int32(4),
+    )  # fmt: skip
+    layer = ",".join(map(str, eng.state.cache.k[0].shape))  # [N, n_kv, max_len, d]
+    for name, lowered in (("one round", one), ("K rounds", many)):
+        text = lowered.compile().as_text()
+        copies = re.findall(rf"= f32\[{layer}\]\S* copy\(", text)
+        assert not copies, (name, len(copies))
+        assert re.search(rf"= f32\[{layer}\]", text)  # the pattern does match the cache's shape

@@ -226,10 +226,12 @@ def test_validated_sampling_params_are_accepted(params):
 
 
 def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params):
-    """The engine's batched verify layout (`slot_offset_T`: queries slot-major, each slot's cache
+    """The engine's batched verify layout (`slot_tokens`: queries slot-major, each slot's cache
     read in place) gives the logits and cache of the per-token gather layout and of each slot's
-    own one-slot forward: ragged slots, an idle slot, bucket padding, a filled cache."""
-    from dspark_jax.models.packed import SLOT_MAJOR_PAD, packed_forward
+    own one-slot forward: ragged slots, an idle slot, bucket padding, a filled cache; the
+    read-only forward (`packed_forward_kv`, the device-resident rounds') followed by `write_kv`
+    gives the same logits and cache as the forward that writes as it goes."""
+    from dspark_jax.models.packed import SLOT_MAJOR_PAD, packed_forward, packed_forward_kv, write_kv
 
     rng = np.random.default_rng(3)
     n, s_max, g, s_b = 3, 40, 5, 32
@@ -247,20 +249,33 @@ def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params)
     toks = jnp.asarray(rng.integers(1, CFG.vocab_size, len(slot)), jnp.int32)
     valid = jnp.asarray(valid)
 
-    @functools.partial(jax.jit, static_argnums=(0,))
-    def run(by_slot, cache, toks, slot, pos, valid, off):
-        kw = dict(slot_offset_T=off, slot_tokens=g) if by_slot else {}
-        out, c = packed_forward(CFG, params, toks, slot, pos, valid, cache, s_b, **kw)
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def run(by_slot, read_only, cache, toks, slot, pos, valid, off):
+        fwd = packed_forward_kv if read_only else packed_forward
+        out, c = fwd(CFG, params, toks, slot, off, pos, valid, cache, s_b,
+                     slot_tokens=g if by_slot else 0)  # fmt: skip
+        c = write_kv(cache, c) if read_only else c  # the resident rounds' form: write after
         return out.logits[0], c.k, c.v
 
     new, gather = (
-        run(True, cache, toks, slot, pos, valid, off),
-        run(False, cache, toks, slot, pos, valid, off),
+        run(True, False, cache, toks, slot, pos, valid, off),
+        run(False, False, cache, toks, slot, pos, valid, off),
     )
     m = np.asarray(valid)
     np.testing.assert_allclose(new[0][m], gather[0][m], rtol=1e-5, atol=1e-5)
-    for a, b in zip(new[1] + new[2], gather[1] + gather[2]):
-        np.testing.assert_array_equal(a, b)
+    for by_slot, ref in ((True, new), (False, gather)):  # read-only forward, then the write
+        later = run(by_slot, True, cache, toks, slot, pos, valid, off)
+        np.testing.assert_allclose(later[0][m], ref[0][m], rtol=1e-6, atol=1e-6)
+        for a, b in zip(later[1] + later[2], ref[1] + ref[2]):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    written = np.zeros(cache.k[0].shape[0:1] + cache.k[0].shape[2:3], bool)  # [N, S]
+    written[np.asarray(slot)[m], np.asarray(pos)[m]] = True
+    for a, b, before in zip(new[1] + new[2], gather[1] + gather[2], cache.k + cache.v):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        # the valid tokens' K/V written where they belong, nothing else touched
+        keep = np.broadcast_to(~written[:, None, :, None], a.shape)
+        np.testing.assert_array_equal(np.asarray(a)[keep], np.asarray(before)[keep])
+        assert not np.array_equal(np.asarray(a)[~keep], np.asarray(before)[~keep])
     for i in (0, 2):  # each active slot alone, in a one-slot cache
         one = cache._replace(
             k=tuple(x[i : i + 1] for x in cache.k), v=tuple(x[i : i + 1] for x in cache.v),
@@ -268,5 +283,5 @@ def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params)
         )  # fmt: skip
         rows = np.flatnonzero(m & (np.asarray(slot) == i))
         z = jnp.zeros(len(rows), jnp.int32)
-        ref = run(False, one, toks[rows], z, pos[rows], z == 0, off[rows])[0]
+        ref = run(False, False, one, toks[rows], z, pos[rows], z == 0, off[rows])[0]
         np.testing.assert_allclose(new[0][rows], ref, rtol=1e-5, atol=1e-5)

@@ -28,7 +28,7 @@ from dspark_jax import drafters
 from dspark_jax.models import generate as gen
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.generate import sample_tokens
-from dspark_jax.models.packed import packed_forward
+from dspark_jax.models.packed import packed_forward, packed_forward_kv
 from dspark_jax.spec import rng as rng_lib
 from dspark_jax.spec.verify import verify_core
 
@@ -192,21 +192,26 @@ def packed_round(
     return finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, sp, key)
 
 
-def verify_forward(tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N):
+def verify_forward(
+    tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N, *, write=True
+):
     """The target's packed verify forward (bucket T = num_tokens, attention over cache_len):
-    (logits [N, γ+1, V], features [N, γ+1, F], cache with the tokens' K/V written)."""
+    (logits [N, γ+1, V], features [N, γ+1, F], the cache with the tokens' K/V written); with
+    `write=False` the cache is only read and the last item is the tokens' K/V
+    (`models.packed.NewKV`, for `write_kv`)."""
     g = dcfg.block_size
     pos0 = state.cache.lengths  # [N]
     slot, off, valid, starts = pack_indices(lengths_N, active_N, num_tokens)
     drafts = state.prop_tokens[slot, jnp.clip(off - 1, 0, g - 1)]
     toks = jnp.where(off == 0, state.anchor[slot], drafts)
     pos = pos0[slot] + off
-    out, cache = packed_forward(
-        tcfg, tparams, toks, slot, pos, valid, state.cache, cache_len, compute_logits=True,
-        slot_offset_T=off, slot_tokens=g + 1,
+    fwd = packed_forward if write else packed_forward_kv
+    out, c = fwd(
+        tcfg, tparams, toks, slot, off, pos, valid, state.cache, cache_len, compute_logits=True,
+        slot_tokens=g + 1,
     )  # fmt: skip
     idx = jnp.clip(starts[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
-    return out.logits[0][idx], out.features[0][idx], cache
+    return out.logits[0][idx], out.features[0][idx], c
 
 
 def finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, sp, key):

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.engine import device as dev
+from dspark_jax.models.packed import write_kv
 
 MAX_STOP_IDS = 8  # stop ids per request the device checks; more -> one round per call
 
@@ -40,10 +41,15 @@ class RoundsOut(NamedTuple):
     count: jax.Array  # [] rounds run (1..K; the rest of the arrays is padding)
 
 
-def _forward_branch(tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N):
-    return dev.verify_forward(
-        tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N
+def _forward_branch(tcfg, dcfg, num_tokens, cache_len, max_tokens, tparams, state, lengths_N,
+                    active_N):  # fmt: skip
+    """One (T, S) verify program of the switch: it reads the state and returns the tokens' K/V
+    padded to the largest bucket (one output shape), written after the switch: a branch that
+    returned the updated cache made the loop copy the whole cache every round."""
+    logits, feats, kv = dev.verify_forward(
+        tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N, write=False
     )
+    return logits, feats, kv.padded(max_tokens)
 
 
 def device_lengths(state, active_N, room_N, gamma_p, use_threshold, cuts_G):
@@ -91,7 +97,7 @@ def packed_rounds(
     tb = jnp.asarray(token_buckets, jnp.int32)
     cb = jnp.asarray(cache_buckets, jnp.int32)
     branches = [
-        functools.partial(_forward_branch, tcfg, dcfg, t, s)
+        functools.partial(_forward_branch, tcfg, dcfg, t, s, max(token_buckets))
         for t in token_buckets
         for s in cache_buckets
     ]
@@ -105,7 +111,8 @@ def packed_rounds(
         it = jnp.minimum(jnp.searchsorted(tb, total, side="left"), len(token_buckets) - 1)
         ic = jnp.minimum(jnp.searchsorted(cb, need, side="left"), len(cache_buckets) - 1)
         index = it * len(cache_buckets) + ic
-        fwd = jax.lax.switch(index, branches, tparams, state, lengths, active_N)
+        logits, feats, kv = jax.lax.switch(index, branches, tparams, state, lengths, active_N)
+        fwd = (logits, feats, write_kv(state.cache, kv))
         state, ro = dev.finish_round(
             dcfg, scfg, dparams, state, fwd, lengths, active_N, seeds_N, sp, key
         )

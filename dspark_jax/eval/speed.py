@@ -73,8 +73,8 @@ def _forward(tcfg, cache_len, tparams, state, drafts):
     t = drafts.shape[0] + 1
     toks = jnp.concatenate([state.anchor[:1], drafts])
     pos = state.cache.lengths[0] + jnp.arange(t, dtype=jnp.int32)
-    zeros = jnp.zeros((t,), jnp.int32)
-    return packed_forward(tcfg, tparams, toks, zeros, pos, zeros == 0, state.cache, cache_len)
+    zeros, off = jnp.zeros((t,), jnp.int32), jnp.arange(t, dtype=jnp.int32)
+    return packed_forward(tcfg, tparams, toks, zeros, off, pos, off >= 0, state.cache, cache_len)
 
 
 _forward_jit = flat_jit(_forward, static_argnums=(0, 1))

@@ -1,25 +1,33 @@
 """Packed (ragged) forward of the target over a flat token bucket, for the serving engine.
 
-    out, cache = packed_forward(cfg, params, tokens_T, slot_T, pos_T, valid_T, cache, cache_len)
+    out, cache = packed_forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache,
+                                cache_len)
 
-`T` tokens from any number of cache slots are laid out flat: token t belongs to slot `slot_T[t]`
-at absolute position `pos_T[t]`; `valid_T[t] = False` marks bucket padding (its K/V write is
-dropped and its outputs are garbage the caller ignores). Every dense layer (projections, MLP, LM
-head) runs on exactly T rows, so the cost of a verification forward follows the number of tokens
-the scheduler admitted (`R + sum l_r`, padded to a bucket), not `slots x (gamma + 1)`.
+`T` tokens from any number of cache slots are laid out flat: token t is the `offset_T[t]`-th
+token of this call in slot `slot_T[t]`, at absolute position `pos_T[t]`; a slot's tokens sit at
+consecutive positions after its committed prefix (`pos_T - offset_T`, the slot's cache length).
+`valid_T[t] = False` marks bucket padding (its K/V write is dropped and its outputs are garbage
+the caller ignores). Every dense layer (projections, MLP, LM head) runs on exactly T rows, so
+the cost of a verification forward follows the number of tokens the scheduler admitted
+(`R + sum l_r`, padded to a bucket), not `slots x (gamma + 1)`.
 
-Attention: each token writes its K/V to `cache[slot, :, pos]`, then reads its own slot's cache at
-indices `<= pos` (`transformer.py`'s cache contract: the slot's committed prefix plus the tokens
-of this call at smaller positions, which the same layer wrote just before). Reads are bounded by
-the static `cache_len` (a cache-length bucket >= every valid token's position + 1), so attention
-costs `T x cache_len`, not `T x max_len`. With one slot (batch-1 decoding) the tokens attend to
-it directly. With several slots and `slot_offset_T` / `slot_tokens` (token t is the
-`slot_offset_T[t]`-th of at most `slot_tokens` tokens of its slot, as the engine's verify packs
-them), the queries are laid out slot-major, `[slots, slot_tokens]`, for attention only: each
-slot's queries read that slot's cache in place, `slots x slot_tokens x cache_len` scores and no
-copy of the cache — when those padded rows are at most `SLOT_MAJOR_PAD` x T (a static choice per
-token bucket). Otherwise every token gathers its slot's cache (`T` copies of `cache_len` keys
-and values per layer, which dominated a full batched round; cheaper when few slots' tokens are
+Attention: token t sees its slot's committed prefix (cache positions < pos - offset, bounded by
+the static `cache_len` bucket) and this call's tokens of its own slot at offsets <= its own
+(their K/V straight from the layer; one softmax over both sets). `packed_forward` writes each
+layer's K/V into the cache before that layer reads it (XLA then updates the cache in place; a
+write after the reads made it copy the whole cache), `packed_forward_kv` only reads the cache
+and returns the K/V (`NewKV`, written later by `write_kv`). The device-resident rounds need the
+latter: they choose among verify programs with `lax.switch`, and a branch that returned the
+updated cache made the loop copy the whole cache every round. Both read the same values (the
+prefix mask stops before the written positions).
+
+Cache layouts of the prefix read: with one slot (batch-1 decoding) the tokens attend to it
+directly. With several slots and `slot_tokens` (at most that many tokens per slot, as the
+engine's verify packs them) the queries are laid out slot-major, `[slots, slot_tokens]`, for
+attention only: each slot's query rows read that slot's cache in place, `slots x slot_tokens x
+cache_len` scores and no copy of the cache — when those padded rows are at most
+`SLOT_MAJOR_PAD` x T (a static choice per token bucket). Otherwise every token gathers its slot's
+cache (`T` copies of `cache_len` keys and values per layer, cheaper when few slots' tokens are
 verified: benchmarks/verify_layout.py).
 
 This composes `transformer.py`'s modules and `layers.attend` (same parameters, same RMSNorm /
@@ -27,6 +35,8 @@ RoPE / GQA code), so a packed forward equals the batched one up to float reassoc
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,74 +51,149 @@ from dspark_jax.models.layers import attend
 SLOT_MAJOR_PAD = 4
 
 
+class NewKV(NamedTuple):
+    """The K/V a packed forward computed, not yet in the cache: per layer [n_kv, T, d_h], each
+    token's slot [T] and cache position [T] (`cache.max_len` for padding: the write is dropped)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    slot: jax.Array
+    pos: jax.Array
+
+    def padded(self, num_tokens: int) -> NewKV:
+        """The same writes over `num_tokens` >= T rows (the extra rows dropped): one shape for
+        every token bucket."""
+        extra = num_tokens - self.slot.shape[0]
+        if extra == 0:
+            return self
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0)))
+        drop = jnp.full((extra,), jnp.iinfo(jnp.int32).max, jnp.int32)
+        return NewKV(
+            tuple(pad(x) for x in self.k), tuple(pad(x) for x in self.v),
+            jnp.concatenate([self.slot, jnp.zeros((extra,), jnp.int32)]),
+            jnp.concatenate([self.pos, drop]),
+        )  # fmt: skip
+
+
+def write_kv(cache: tf.KVCache, kv: NewKV) -> tf.KVCache:
+    """The cache with `kv`'s tokens written at [slot, :, pos] (lengths unchanged)."""
+    rows = kv.slot[None, :]
+    heads = jnp.arange(cache.k[0].shape[1])[:, None]
+    pos = jnp.minimum(kv.pos, cache.max_len)[None, :]  # past the cache: dropped
+    put = lambda c, x: _put(c, rows, heads, pos, x)
+    return cache._replace(k=tuple(map(put, cache.k, kv.k)), v=tuple(map(put, cache.v, kv.v)))
+
+
+def _put(cache_NxKxSxD, rows_1xT, heads_Kx1, pos_1xT, x_KxTxD):
+    return cache_NxKxSxD.at[rows_1xT, heads_Kx1, pos_1xT].set(
+        x_KxTxD.astype(cache_NxKxSxD.dtype), mode="drop"
+    )
+
+
 def packed_forward(
+    cfg: TargetConfig, params, tokens_T, slot_T, offset_T, pos_T, valid_T,
+    cache: tf.KVCache, cache_len: int, *, compute_logits: bool = True, slot_tokens: int = 0,
+) -> tuple[tf.ForwardOut, tf.KVCache]:  # fmt: skip
+    """`packed_forward_kv` that writes the tokens' K/V into the cache (lengths unchanged: the
+    caller commits): each layer writes before it reads, so XLA updates the cache in place."""
+    return _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cache_len,
+                    compute_logits, slot_tokens, write=True)  # fmt: skip
+
+
+def packed_forward_kv(
     cfg: TargetConfig,
     params,
     tokens_T: jax.Array,
     slot_T: jax.Array,
+    offset_T: jax.Array,
     pos_T: jax.Array,
     valid_T: jax.Array,
     cache: tf.KVCache,
     cache_len: int,
     *,
     compute_logits: bool = True,
-    slot_offset_T: jax.Array | None = None,
     slot_tokens: int = 0,
-) -> tuple[tf.ForwardOut, tf.KVCache]:
-    """Static: cfg, cache_len, compute_logits, slot_tokens, T. Returns ForwardOut with
-    [1, T, ...] arrays (logits fp32, features, hidden) and the cache with the valid tokens' K/V
-    written (lengths unchanged: the caller commits)."""
+) -> tuple[tf.ForwardOut, NewKV]:
+    """Static: cfg, cache_len, compute_logits, slot_tokens (0: never slot-major), T. Returns
+    ForwardOut with [1, T, ...] arrays (logits fp32, features, hidden) and the tokens' K/V; the
+    cache is only read."""
+    return _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cache_len,
+                    compute_logits, slot_tokens, write=False)  # fmt: skip
+
+
+def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cache_len,
+             compute_logits, slot_tokens, *, write: bool):  # fmt: skip
+    """The forward; `write`: each layer writes its tokens' K/V into the cache before reading it
+    (returns the cache), else the cache is only read (returns `NewKV`). The reads are the same
+    either way: the prefix mask stops before the written positions."""
     model = tf.build(cfg, params)
     s_max = cache.max_len
     cache_len = min(int(cache_len), s_max)
+    t = tokens_T.shape[0]
     x = jnp.take(model.embed_tokens[...], tokens_T, axis=0)[None]  # [1, T, H]
     pos_1xT = pos_T[None].astype(jnp.int32)
-    write = jnp.where(valid_T, pos_T, s_max)[None, :]  # [1, T]; s_max -> dropped
-    heads = jnp.arange(cfg.num_kv_heads)[:, None]  # [K, 1]
-    slot_row = slot_T[None, :]
+    base_T = jnp.where(valid_T, pos_T - offset_T, 0)  # the slot's committed length (padding: 0)
     key_idx = jnp.arange(cache_len, dtype=jnp.int32)
-    mask = (key_idx[None, :] <= pos_T[:, None])[None, :, None, :]  # [1, T, 1, S_b]
     n_slots = cache.k[0].shape[0]
     one_slot = n_slots == 1
     # slot-major pays attention for every slot's G rows; the gather pays a copy per token: the
     # first wins once the padded rows are at most SLOT_MAJOR_PAD x the tokens
-    by_slot = (
-        not one_slot
-        and slot_offset_T is not None
-        and n_slots * slot_tokens <= SLOT_MAJOR_PAD * tokens_T.shape[0]
-    )
-    if by_slot:  # slot-major query layout [N * G] for attention (padding rows see no key)
+    by_slot = not one_slot and 0 < n_slots * slot_tokens <= SLOT_MAJOR_PAD * t
+    if by_slot:  # slot-major query layout [N * G] for attention
         g = int(slot_tokens)
-        row = jnp.where(valid_T, slot_T * g + slot_offset_T, n_slots * g)  # out of range: dropped
-        pos_NG = jnp.full((n_slots * g,), -1, jnp.int32).at[row].set(pos_1xT[0], mode="drop")
-        mask_NG = (key_idx[None, :] <= pos_NG[:, None]).reshape(1, n_slots, g, cache_len)
+        row = jnp.where(valid_T, slot_T * g + offset_T, n_slots * g)  # out of range: dropped
+        valid_NG = jnp.zeros((n_slots * g,), bool).at[row].set(True, mode="drop")
+        base_NG = jnp.zeros((n_slots * g,), jnp.int32).at[row].set(base_T, mode="drop")
+        m_ctx = (key_idx[None, :] < base_NG[:, None]).reshape(1, n_slots, g, cache_len)
+        own = valid_NG.reshape(n_slots, 1, g) & valid_NG.reshape(n_slots, g, 1)
+        m_own = (own & (jnp.arange(g)[None, :] <= jnp.arange(g)[:, None]))[None]  # [1, N, G, G]
         back = jnp.minimum(row, n_slots * g - 1)  # token t's row (padding tokens: any row)
-    feats, new_k, new_v = {}, [], []
+    else:  # token-major: the prefix (per token), this call's tokens of the same slot (shared)
+        m_ctx = (key_idx[None, :] < base_T[:, None])[None, :, None, :]  # [1, T, 1, S_b]
+        same = (slot_T[None, :] == slot_T[:, None]) & (offset_T[None, :] <= offset_T[:, None])
+        m_own = (same & valid_T[None, :])[None]  # [1, T, T]
+    write_T = jnp.where(valid_T, pos_T, s_max).astype(jnp.int32)  # s_max: dropped
+    rows, heads = slot_T[None, :], jnp.arange(cfg.num_kv_heads)[:, None]
+    feats, new_k, new_v, out_k, out_v = {}, [], [], [], []
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x), pos_1xT)  # q [1, T, n, d], k/v [1, K, T, d]
         ck, cv = cache.k[i], cache.v[i]  # [N, K, S, d]
-        ck = ck.at[slot_row, heads, write].set(k[0].astype(ck.dtype), mode="drop")
-        cv = cv.at[slot_row, heads, write].set(v[0].astype(cv.dtype), mode="drop")
-        if one_slot:  # every token reads slot 0: no per-token copy of the cache
-            a = attend(q, [(ck[:, :, :cache_len], cv[:, :, :cache_len], mask[:, :, 0])])
-        elif by_slot:  # slot n's G query rows read slot n's cache in place
-            q_g = jnp.zeros((1, n_slots * g) + q.shape[2:], q.dtype)
-            q_g = q_g.at[0, row].set(q[0], mode="drop")
-            kv = (ck[None, :, :, :cache_len], cv[None, :, :, :cache_len], mask_NG)
-            a = attend(q_g, [kv])[:, back]  # [1, T, n*d]
-        else:
-            kg = ck[:, :, :cache_len][slot_T][None]  # [1, T, K, S_b, d]: token t's own slot
-            vg = cv[:, :, :cache_len][slot_T][None]
-            a = attend(q, [(kg, vg, mask)])  # [1, T, n*d]; T groups of one query
+        if write:  # then read: in place (a write after the reads made XLA copy the cache)
+            ck, cv = (
+                _put(ck, rows, heads, write_T[None], k[0]),
+                _put(cv, rows, heads, write_T[None], v[0]),
+            )
+            out_k.append(ck)
+            out_v.append(cv)
+        ck, cv = ck[:, :, :cache_len], cv[:, :, :cache_len]  # [N, K, S_b, d]
+        if by_slot:  # slot n's G query rows read slot n's cache in place and its own G tokens
+            q_g = (
+                jnp.zeros((1, n_slots * g) + q.shape[2:], q.dtype).at[0, row].set(q[0], mode="drop")
+            )
+            kv_g = [
+                jnp.zeros((n_slots * g,) + y.shape[1:2] + y.shape[3:], y.dtype)
+                .at[row]
+                .set(y[0].transpose(1, 0, 2), mode="drop")
+                .reshape(n_slots, g, y.shape[1], -1)
+                .transpose(0, 2, 1, 3)[None]
+                for y in (k, v)
+            ]  # [1, N, K, G, d]
+            a = attend(q_g, [(ck[None], cv[None], m_ctx), (kv_g[0], kv_g[1], m_own)])[:, back]
+        elif one_slot:  # every token reads slot 0: no per-token copy of the cache
+            a = attend(q, [(ck, cv, m_ctx[:, :, 0]), (k, v, m_own)])
+        else:  # token t gathers its own slot's prefix: T groups of one query
+            a = attend(q, [(ck[slot_T][None], cv[slot_T][None], m_ctx), (k, v, m_own)])
         x = x + attn.o_proj(a)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-        new_k.append(ck)
-        new_v.append(cv)
+        new_k.append(k[0])
+        new_v.append(v[0])
         if i in cfg.target_layer_ids:
             feats[cfg.target_layer_ids.index(i)] = x
     features = jnp.concatenate([feats[j] for j in sorted(feats)], axis=-1)
     hidden = model.norm(x)
     logits = model.logits(hidden) if compute_logits else None
-    cache = cache._replace(k=tuple(new_k), v=tuple(new_v))
-    return tf.ForwardOut(logits, features, hidden), cache
+    out = tf.ForwardOut(logits, features, hidden)
+    if write:
+        return out, cache._replace(k=tuple(out_k), v=tuple(out_v))
+    return out, NewKV(tuple(new_k), tuple(new_v), slot_T.astype(jnp.int32), write_T)
