@@ -55,9 +55,7 @@ def run_evaluate(p) -> dict:
         p.log("  speed: plain vs speculative decoding at batch 1 (every bucket warmed)")
         sprompts = first.prompts[: e.speed_prompts]
         # batch 1, fixed γ: every round but the last verifies γ + 1 tokens, so one token
-        # bucket; the device loop then runs one verify program per round instead of a
-        # lax.switch over buckets, whose branches copy the KV cache (on the demo's models:
-        # 3.5 vs 4.8 ms per round)
+        # bucket (the device loop then has fewer verify programs to choose among)
         batch1 = p.rundir.decoder_for(
             kind, [len(q) for q in sprompts], e.max_new_tokens, e.max_len, lean=True, num_slots=1,
             rounds_per_call=e.speed_rounds_per_call,
