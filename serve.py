@@ -128,4 +128,7 @@ def _policy(args, run):
 
 
 if __name__ == "__main__":
+    from dspark_jax.hugepages import rerun_with_hugepages
+
+    rerun_with_hugepages()  # once, before JAX is imported (dspark_jax/hugepages.py)
     sys.exit(main())

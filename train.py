@@ -92,4 +92,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from dspark_jax.hugepages import rerun_with_hugepages
+
+    rerun_with_hugepages()  # once, before JAX is imported (dspark_jax/hugepages.py)
     sys.exit(main())
