@@ -348,7 +348,9 @@ def generate(
       key: base PRNG key or an int seed for it.
       batch_buckets / length_buckets: static sizes. Batches above the largest batch bucket are
         split; the cache length is a length bucket too.
-      loop: "device" (one jitted while loop) or "host" (a jitted step per token, for comparison).
+      loop: "device" (one jitted while loop per batch), "host" (a jitted step per token, for
+        comparison) or "queue" (continuous batching: up to max(batch_buckets) rows work through
+        every prompt in one loop, a finished row taking the next prompt; `models.generate_queue`).
 
     Raises (before any device work): RequestError / ValueError for an empty prompt, token ids
     outside the vocabulary, a prompt plus max_new_tokens beyond the largest length bucket or the
@@ -357,8 +359,8 @@ def generate(
     n = len(prompts)
     if n == 0:
         return []
-    if loop not in ("device", "host"):
-        raise ValueError(f"loop must be 'device' or 'host', got {loop!r}")
+    if loop not in ("device", "host", "queue"):
+        raise ValueError(f"loop must be 'device', 'host' or 'queue', got {loop!r}")
     lens = np.array([len(p) for p in prompts], np.int64)
     max_new = _per_request("max_new_tokens", max_new_tokens, n)
     if np.any(max_new < 1):
@@ -404,6 +406,10 @@ def generate(
     rows = _HostRows(lens, max_new, seeds_arr, None if sp is None else [np.asarray(f) for f in sp])
     buckets = (tuple(batch_buckets), tuple(length_buckets))
     chunk = max(batch_buckets)
+    if loop == "queue":
+        from dspark_jax.models.generate_queue import run_queue
+
+        return run_queue(cfg, params, prompts, rows, stop_K, key, scfg, buckets)[0]
     outs: list[list[int]] = []
     for lo in range(0, n, chunk):
         idx = np.arange(lo, min(lo + chunk, n))

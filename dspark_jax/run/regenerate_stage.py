@@ -65,7 +65,9 @@ def run_regenerate(p) -> dict:
                 tcfg, tparams, [toks[j] for j in keep], max_new_tokens=c.max_new_tokens,
                 sampling={"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k},
                 stop_ids=stop, seeds=[c.seed + lo + idx[j] for j in keep],
-                batch_buckets=(c.batch_size,), length_buckets=buckets,
+                # a row that finishes takes the next prompt (models/generate_queue.py); a small
+                # group of long prompts runs through fewer rows
+                batch_buckets=_row_buckets(c.batch_size), length_buckets=buckets, loop="queue",
             )  # fmt: skip
             for j, out in zip(keep, outs):
                 text = tok.decode([t for t in out if t not in stop], skip_special_tokens=True)
@@ -102,3 +104,9 @@ def regen_target(p):
             target_layer_ids=p.cfg.target.target_layer_ids or None,
         )  # fmt: skip
     return p.rundir._cache["regen_target"]
+
+
+def _row_buckets(batch_size: int) -> tuple[int, ...]:
+    """Decode-row counts for the regeneration queues: batch_size, and a quarter of it for the small
+    groups (long prompts; a second turn)."""
+    return tuple(sorted({max(int(batch_size) // 4, 1), max(int(batch_size), 1)}))
