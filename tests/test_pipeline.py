@@ -143,7 +143,7 @@ def test_pipeline_eta_counts_the_stages_left_at_this_runs_pace():
 
 def test_pipeline_eta_on_a_checkpoint_of_ones_own_waits_for_a_measured_stage():
     """The demo's prices are its own small target's: on the Qwen3-4B preset they predict
-    ~190,000 minutes. A run on its own checkpoint names no time until a stage that decodes or
+    ~120,000 minutes. A run on its own checkpoint names no time until a stage that decodes or
     trains has run, then prices the rest at that run's pace."""
     from dspark_jax.run.eta import PipelineEta
     from dspark_jax.run.staged import STAGES

@@ -338,11 +338,13 @@ def measured_speedup(
     """Tokens/s of speculative (`decoder.generate`, a 1-slot engine for batch 1) vs plain
     `generate()` at batch 1, each prompt warmed on both paths first (every bucket compiled); the
     `passes` timed passes alternate the two per prompt; compilations during them are counted.
-    With `stop_ids` (the evaluate stage passes the chat's) the two paths stop at different
-    lengths (the sampled texts differ), so tokens/s also depends on which sample happened to be
-    shorter (the prompt's prefill weighs more); without, both emit exactly `max_new_tokens` per
-    prompt, past the end of the answer (text the drafters were not trained on: on the demo's
-    models 4.1 instead of 5.2 tokens per round, the speedup about the same)."""
+    Each pass draws new samples (seed = pass · prompts + prompt index, the same seeds on both
+    paths): with `stop_ids` (the evaluate stage passes the chat's) the two paths stop at
+    different lengths (the sampled texts differ), and a short sample weighs its prompt's
+    prefill more, so repeating one sample per prompt would make tokens/s hinge on which side
+    happened to draw the shorter answers. Without `stop_ids` both emit exactly
+    `max_new_tokens` per prompt, past the end of the answer (text the drafters were not trained
+    on: on the demo's models 4.1 instead of 5.2 tokens per round, the speedup about the same)."""
     sampling = None if temperature == 0 else {"temperature": temperature}
     prompts = [[int(x) for x in p] for p in prompts]
 
@@ -365,11 +367,13 @@ def measured_speedup(
     secs = {"autoregressive": 0.0, "speculative": 0.0}
     rounds[0] = 0
     with CompileCounter() as cc:
-        for i, p in [(i, p) for _ in range(passes) for i, p in enumerate(prompts)]:
-            for name, fn in (("autoregressive", ar), ("speculative", sd)):
-                t0 = time.perf_counter()
-                tok[name] += len(fn(p, i))
-                secs[name] += time.perf_counter() - t0
+        for k in range(passes):
+            for i, p in enumerate(prompts):
+                seed = k * len(prompts) + i
+                for name, fn in (("autoregressive", ar), ("speculative", sd)):
+                    t0 = time.perf_counter()
+                    tok[name] += len(fn(p, seed))
+                    secs[name] += time.perf_counter() - t0
     res = {f"{k}_tokens_per_s": tok[k] / max(secs[k], 1e-9) for k in tok}
     res["speedup"] = res["speculative_tokens_per_s"] / res["autoregressive_tokens_per_s"]
     # per round end to end (prefill included): the tokens a round emits and what it costs

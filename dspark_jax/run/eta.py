@@ -8,7 +8,7 @@ a GPU or a larger model corrects the prices after the first stage that trains or
 
 The prices are the demo's own small target's. A run on a checkpoint of its own (`target.path`,
 e.g. the Qwen3-4B preset) has no price until one of its stages has run — the demo's CPU rates
-put that preset at ~190,000 minutes — so its line says the time left is known once one has run.
+put that preset at ~120,000 minutes — so its line says the time left is known once one has run.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from __future__ import annotations
 import time
 
 # seconds per work unit, measured on the tiny demo (16 x 160 target, 2 CPU cores; the run of
-# 2026-12-01 with the training steps' XLA:CPU option, 30.3 min, except regenerate, which that run
-# did at batch 64: its batch-32 time from the run before); the units are those of `stage_work`
+# 2026-11-30 from an empty run directory with huge pages and the queue regenerate, 20.1 min);
+# the units are those of `stage_work`
 DEMO_SECONDS_PER_UNIT = {
-    "corpus": 5.0,  # the embedded corpus (one unit)
-    "tokenizer": 3.0,  # training the tokenizer (one unit)
-    "target": 441.0 / (200 * 16 * 256),  # per training token
-    "regenerate": 192.0 / (1248 * 128),  # per prompt answered x max_new_tokens
-    "drafters": 826.0 / (3 * 300 * 8),  # per drafter x step x sequence (incl. the feature cache)
-    "calibrate": 27.0 / (48 * 96),  # per prompt x max_new_tokens
-    "evaluate": 287.0 / (3 * 72 * 96 * 2),  # per drafter x prompt x new token x temperature
+    "corpus": 3.4,  # the embedded corpus (one unit)
+    "tokenizer": 3.5,  # training the tokenizer (one unit)
+    "target": 308.9 / (200 * 16 * 256),  # per training token
+    "regenerate": 118.8 / (1248 * 128),  # per prompt answered x max_new_tokens
+    "drafters": 564.0 / (3 * 300 * 8),  # per drafter x step x sequence (incl. the feature cache)
+    "calibrate": 21.7 / (48 * 96),  # per prompt x max_new_tokens
+    "evaluate": 184.6 / (3 * 72 * 96 * 2),  # per drafter x prompt x new token x temperature
 }
 
 

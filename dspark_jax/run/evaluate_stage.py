@@ -55,9 +55,10 @@ def run_evaluate(p) -> dict:
         p.log("  speed: plain vs speculative decoding at batch 1 (every bucket warmed)")
         sprompts = first.prompts[: e.speed_prompts]
         # batch 1, fixed γ: every round but the last verifies γ + 1 tokens, so one token
-        # bucket (the device loop then has fewer verify programs to choose among)
+        # bucket (the device loop then has fewer verify programs to choose among); the prompt
+        # buckets are plain `generate`'s (a prompt is prefilled at its own bucket on both sides)
         batch1 = p.rundir.decoder_for(
-            kind, [len(q) for q in sprompts], e.max_new_tokens, e.max_len, lean=True, num_slots=1,
+            kind, [len(q) for q in sprompts], e.max_new_tokens, e.max_len, num_slots=1,
             rounds_per_call=e.speed_rounds_per_call,
             token_buckets=(p.cfg.drafters.block_size + 1,),
         )  # fmt: skip
