@@ -92,6 +92,42 @@ def test_sampled_output_bit_identical_to_one_round_per_call():
     assert one.metrics().rounds == many.metrics().rounds
 
 
+def test_one_verify_program_runs_in_place_with_the_same_tokens():
+    """With one (T, S) verify program (batch-1 decoding at fixed γ, as the report's speed section
+    runs it) the loop calls it directly, writing the cache before reading it: no copy of a cache
+    layer in the K-round program (read-only + write afterwards copied it twice per round at one
+    slot), and the same tokens as one round per call, sampled and greedy."""
+    import re
+
+    from dspark_jax.engine.rounds import MAX_STOP_IDS
+
+    tcfg, tp, dcfg, dp = agreeing_pair(vocab=64, gamma=G, head_scale=1.0, markov_bias=3.0)
+    kw = dict(KW, num_slots=1, token_buckets=(G + 1,), cache_buckets=(96,), modes=("filtered",))
+    one = ServingEngine(tcfg, dcfg, tp, dp, rounds_per_call=1, **kw)
+    many = ServingEngine(tcfg, dcfg, tp, dp, rounds_per_call=4, **kw)
+    reqs = [
+        RequestParams(30, temperature=0.9, top_p=0.95, seed=5),
+        RequestParams(20, temperature=0.0),
+    ]
+    for p, q in zip(PROMPTS, reqs):
+        (a, calls_a), (b, calls_b) = (_drain(e, [e.submit(p, q)]) for e in (one, many))
+        assert a[0].tokens == b[0].tokens and a[0].num_accepted == b[0].num_accepted
+        assert calls_b < calls_a
+        if q.temperature == 0.0:
+            assert b[0].tokens == generate(tcfg, tp, [p], max_new_tokens=q.max_new_tokens)[0]
+    stop = np.full((1, MAX_STOP_IDS), -1, np.int32)
+    lowered = many._rounds.lower(
+        tcfg, dcfg, many._scfg("filtered"), many.token_buckets, many.cache_buckets, 4,
+        *many.program_params, many.state, np.ones(1, bool), np.zeros(1, np.uint32),
+        many._sp_rows([reqs[0]], "filtered"), many.key, np.full(1, 50, np.int32), stop,
+        np.int32(G), np.bool_(False), np.zeros(G, np.float32), np.int32(4),
+    )  # fmt: skip
+    layer = ",".join(map(str, many.state.cache.k[0].shape))
+    text = lowered.compile().as_text()
+    assert re.search(rf"= f32\[{layer}\]", text)
+    assert not re.findall(rf"= f32\[{layer}\]\S* copy\(", text)
+
+
 def test_threshold_cuts_match_the_host_policy():
     sts = STS((0.5, 1.0, 2.0, 3.7))
     rng = np.random.default_rng(0)

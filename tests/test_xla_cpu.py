@@ -60,3 +60,26 @@ def test_the_training_steps_are_compiled_with_it(monkeypatch, tmp_path):
         lm.train_lm(cfg, [list(range(1, 60))], tc, tmp_path / "lm", progress=False)
     out = generate(cfg, init_params(cfg, 0), [[1, 2, 3]], max_new_tokens=2)  # default options
     assert len(out[0]) == 2
+
+
+def test_batch1_plain_decoding_is_compiled_with_it_and_batches_are_not(monkeypatch):
+    """`generate` at batch bucket 1 carries the option (its cache updates stay in place,
+    xla_cpu.py); a batch of two keeps XLA's default."""
+    from dspark_jax.models import generate as gen
+    from dspark_jax.models.transformer import init_params
+    from dspark_jax.testing import tiny_target_config
+
+    cfg = tiny_target_config()
+    params = init_params(cfg, 0)
+    monkeypatch.setattr(gen, "batch1_decode_compiler_options", lambda: BAD)
+    with pytest.raises(Exception, match="valid enum|NOT_A_FUSION_TYPE"):
+        gen.generate(cfg, params, [[1, 2, 3]], max_new_tokens=2, batch_buckets=(1, 2))
+    out = gen.generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=2, batch_buckets=(1, 2))
+    assert [len(o) for o in out] == [2, 2]
+    if xla_cpu._jaxlib_release() in xla_cpu.CHECKED_JAXLIB:  # the real option: the same tokens
+        monkeypatch.setattr(gen, "batch1_decode_compiler_options", lambda: None)
+        want = gen.generate(cfg, params, [[1, 2, 3]], max_new_tokens=12)
+        monkeypatch.setattr(
+            gen, "batch1_decode_compiler_options", xla_cpu.training_compiler_options
+        )
+        assert gen.generate(cfg, params, [[1, 2, 3]], max_new_tokens=12) == want

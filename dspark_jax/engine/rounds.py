@@ -8,7 +8,8 @@ the verification lengths are computed on the device by the same rule the host sc
 is >= a per-position cut that `threshold_cuts` finds so that the comparison equals the host's
 float64 `STS.probs(rho) >= θ` for every float32 `rho`), and each round's token bucket T and
 cache bucket S are chosen on the device as the host would choose them, by `lax.switch` over the
-compiled (T, S) verify forwards. So a request's tokens do not depend on K: the K-round call runs
+compiled (T, S) verify forwards (with only one, it is called directly and writes the cache in
+place). So a request's tokens do not depend on K: the K-round call runs
 the same arithmetic, with the same keys (seed, position, round counter), as K one-round calls.
 
 Stop ids and max_new_tokens are honoured on the device: a round in which any row finishes (a stop
@@ -111,8 +112,12 @@ def packed_rounds(
         it = jnp.minimum(jnp.searchsorted(tb, total, side="left"), len(token_buckets) - 1)
         ic = jnp.minimum(jnp.searchsorted(cb, need, side="left"), len(cache_buckets) - 1)
         index = it * len(cache_buckets) + ic
-        logits, feats, kv = jax.lax.switch(index, branches, tparams, state, lengths, active_N)
-        fwd = (logits, feats, write_kv(state.cache, kv))
+        if len(branches) == 1:  # one (T, S) program: it writes the cache before reading, in place
+            fwd = dev.verify_forward(tcfg, dcfg, token_buckets[0], cache_buckets[0], tparams,
+                                     state, lengths, active_N)  # fmt: skip
+        else:  # read-only branches, the K/V written after the switch (`_forward_branch`)
+            logits, feats, kv = jax.lax.switch(index, branches, tparams, state, lengths, active_N)
+            fwd = (logits, feats, write_kv(state.cache, kv))
         state, ro = dev.finish_round(
             dcfg, scfg, dparams, state, fwd, lengths, active_N, seeds_N, sp, key
         )

@@ -35,6 +35,7 @@ V vocab, K stop ids.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -55,6 +56,7 @@ from dspark_jax.spec.sampling import (
     transform_logits,
     validate_sampling_params,
 )
+from dspark_jax.xla_cpu import batch1_decode_compiler_options
 
 __all__ = [
     "DEFAULT_BATCH_BUCKETS",
@@ -281,6 +283,17 @@ generate_jit.__doc__ = """Whole generation in one dispatch: prefill then a devic
 Static: cfg, scfg, cache_len, shapes (B, P, K). Arrays: params, tokens_BxP, lengths_B, req.
 Returns tokens_BxS (token at position p stored at [b, p]) and num_new_B.
 """
+
+
+@functools.cache
+def _generate_jit_with(options: tuple):
+    """`generate_jit` compiled with these XLA compiler options (batch 1: `xla_cpu.py`)."""
+    if not options:
+        return generate_jit
+    return jax.jit(_generate, static_argnames=("cfg", "scfg", "cache_len"),
+                   compiler_options=dict(options))  # fmt: skip
+
+
 start_jit = jax.jit(start, static_argnames=("cfg", "scfg", "cache_len"))
 decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "scfg"), donate_argnames=("state",))
 prefill_jit = jax.jit(prefill, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -459,7 +472,13 @@ def _run_bucket(cfg, params, prompts, rows: _HostRows, stop_K, key, scfg, bucket
         )
     req = DecodeRequest(mx, stop_K, key, sd, sampling)
     if loop == "device":
-        toks, num = generate_jit(cfg, params, tokens, lengths, req, scfg=scfg, cache_len=s)
+        # batch 1 with the XLA:CPU option that keeps its cache updates in place (xla_cpu.py)
+        fn = (
+            _generate_jit_with(tuple((batch1_decode_compiler_options() or {}).items()))
+            if b == 1
+            else generate_jit
+        )
+        toks, num = fn(cfg, params, tokens, lengths, req, scfg=scfg, cache_len=s)
     else:
         toks, num = _generate_host(cfg, params, tokens, lengths, req, scfg, s)
     toks, num = np.asarray(toks), np.asarray(num)
