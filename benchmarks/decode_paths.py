@@ -13,6 +13,7 @@ The demo's target (configs/tiny.py: 16 layers x 160, vocab 2048, random init) an
 
 Timed interleaved after compiling, medians of ``--reps``:
   decode_b32      32 greedy decode steps at batch 32, cache 256 (regeneration, evaluation);
+  decode_b1       the same at batch 1 (plain decoding of one request);
   verify_b1       the 8-token packed verify forward at batch 1 (a speculative round's verify);
   verify_b8       the packed verify forward at batch 8 (8 slots x 8 tokens, cache 256): the
                   baseline gathers every token's slot cache (`T` copies of the keys and values
@@ -123,6 +124,11 @@ def _programs(tcfg, tparams, ds, options=None):
         jax.jit(decode).lower(tparams, cache, tok).compile(options),
         (tparams, cache, tok),
     )
+    cache1 = tf.init_cache(tcfg, 1, CACHE).with_lengths(jnp.full((1,), 100, jnp.int32))
+    out["decode_b1"] = (
+        jax.jit(decode).lower(tparams, cache1, tok[:1]).compile(options),
+        (tparams, cache1, tok[:1]),
+    )
 
     def verify(params, cache, toks):
         off = jnp.arange(GAMMA + 1, dtype=jnp.int32)
@@ -199,7 +205,7 @@ def main():
     for _ in range(args.reps):
         for v, k in order:
             p, a = progs[v][k]
-            reps = 1 if k == "decode_b32" else 20
+            reps = 1 if k.startswith("decode") else 20
             t = time.perf_counter()
             for _ in range(reps):
                 r = p(*a)

@@ -3,9 +3,10 @@
 Every program of the demo that the option could go to, compiled twice in one process (with the
 option, and with XLA's default) and timed interleaved, medians: the demo target's loss + grad
 (`target_step.py`), the demo's three drafters' micro-steps (`drafter_step.py`), and the
-decoding programs of `decode_paths.py` (32 decode steps at batch 32, the 8-token verify forward
-at batch 1, DSpark and Eagle3 proposals), all at the demo's sizes with random weights. The
-library gives the option to the training programs only; the decoding rows show why.
+decoding programs of `decode_paths.py` (32 decode steps at batch 32 and at batch 1, the 8-token
+verify forward at batch 1, DSpark and Eagle3 proposals), all at the demo's sizes with random
+weights. The library gives the option to the training programs and to batch-1 plain decoding
+only; the other decoding rows show why.
 
 Prints ONE JSON object: ``{program}_ms`` (with the option) / ``default_{program}_ms``,
 ``speedup`` {program: default / with}, ``option``, ``reps``, ``platform``.

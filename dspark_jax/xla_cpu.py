@@ -13,8 +13,12 @@ dot and elementwise fusions (`xla_cpu_experimental_ynn_fusion_type`), on the dem
     8-token verify forward, batch 1          0.96x                0.81x
     DSpark / Eagle3 proposal                 1.06 / 0.92x         0.93 / 0.78x
     32 decode steps at batch 32              0.96x                0.94x
+    32 decode steps at batch 1               1.55x (2026-12-03, decode_paths' decode_b1)
 
-(benchmarks/xla_cpu_flags.py makes the first column; this shared machine ran ~1.2x slower then.)
+(benchmarks/xla_cpu_flags.py makes the first column; this shared machine ran ~1.2x slower then.
+Its re-run of 2026-12-03, benchmarks/results/xla_cpu_flags.json: target step 0.95x, micro-steps
+1.07 / 1.12 / 1.03x, decode at batch 1 1.55x, at batch 32 0.93x: the training rows move with the
+machine's load between runs.)
 The two columns are not two strengths of one option: the target's real training step
 (`lm._step_jit`) in alternated processes ran 3.08 / 3.60 s per step with the per-program option,
 3.45 / 4.59 s with the XLA_FLAGS entry and 4.23 / 4.46 s with neither (two rounds, machine loaded).
