@@ -42,6 +42,7 @@ both uses).
 
 from __future__ import annotations
 
+import functools
 import os
 from importlib import metadata
 
@@ -51,6 +52,7 @@ CHECKED_JAXLIB = ((0, 10),)  # (major, minor) releases the option exists in and 
 ENV = "DSPARK_XLA_CPU_TRAINING"
 
 
+@functools.cache  # read once: `generate` asks at every batch-1 call
 def _jaxlib_release() -> tuple[int, int] | None:
     try:
         major, minor = metadata.version("jaxlib").split(".")[:2]

@@ -107,15 +107,15 @@ def packed_rounds(
     def body(carry):
         k, state, room, outs, _ = carry
         lengths = device_lengths(state, active_N, room, gamma_p, use_threshold, cuts_G)
-        total = jnp.sum(jnp.where(active_N, lengths + 1, 0))
-        need = jnp.max(jnp.where(active_N, state.cache.lengths + 1 + lengths, 0))
-        it = jnp.minimum(jnp.searchsorted(tb, total, side="left"), len(token_buckets) - 1)
-        ic = jnp.minimum(jnp.searchsorted(cb, need, side="left"), len(cache_buckets) - 1)
-        index = it * len(cache_buckets) + ic
         if len(branches) == 1:  # one (T, S) program: it writes the cache before reading, in place
             fwd = dev.verify_forward(tcfg, dcfg, token_buckets[0], cache_buckets[0], tparams,
                                      state, lengths, active_N)  # fmt: skip
         else:  # read-only branches, the K/V written after the switch (`_forward_branch`)
+            total = jnp.sum(jnp.where(active_N, lengths + 1, 0))
+            need = jnp.max(jnp.where(active_N, state.cache.lengths + 1 + lengths, 0))
+            it = jnp.minimum(jnp.searchsorted(tb, total, side="left"), len(token_buckets) - 1)
+            ic = jnp.minimum(jnp.searchsorted(cb, need, side="left"), len(cache_buckets) - 1)
+            index = it * len(cache_buckets) + ic
             logits, feats, kv = jax.lax.switch(index, branches, tparams, state, lengths, active_N)
             fwd = (logits, feats, write_kv(state.cache, kv))
         state, ro = dev.finish_round(
