@@ -230,7 +230,9 @@ def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params)
     read in place) gives the logits and cache of the per-token gather layout and of each slot's
     own one-slot forward: ragged slots, an idle slot, bucket padding, a filled cache; the
     read-only forward (`packed_forward_kv`, the device-resident rounds') followed by `write_kv`
-    gives the same logits and cache as the forward that writes as it goes."""
+    gives the same logits and cache as the forward that writes as it goes; so does the writing
+    forward that reads the tokens' own K/V back from the cache with fused products (`one_set`,
+    `fused`: the single-program engine's form, equal up to float reassociation) in every layout."""
     from dspark_jax.models.packed import SLOT_MAJOR_PAD, packed_forward, packed_forward_kv, write_kv
 
     rng = np.random.default_rng(3)
@@ -249,11 +251,15 @@ def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params)
     toks = jnp.asarray(rng.integers(1, CFG.vocab_size, len(slot)), jnp.int32)
     valid = jnp.asarray(valid)
 
-    @functools.partial(jax.jit, static_argnums=(0, 1))
-    def run(by_slot, read_only, cache, toks, slot, pos, valid, off):
-        fwd = packed_forward_kv if read_only else packed_forward
-        out, c = fwd(CFG, params, toks, slot, off, pos, valid, cache, s_b,
-                     slot_tokens=g if by_slot else 0)  # fmt: skip
+    @functools.partial(jax.jit, static_argnums=(0, 1, 8))
+    def run(by_slot, read_only, cache, toks, slot, pos, valid, off, one_set=False):
+        if read_only:
+            out, c = packed_forward_kv(CFG, params, toks, slot, off, pos, valid, cache, s_b,
+                                       slot_tokens=g if by_slot else 0)  # fmt: skip
+        else:
+            out, c = packed_forward(CFG, params, toks, slot, off, pos, valid, cache, s_b,
+                                    slot_tokens=g if by_slot else 0, one_set=one_set,
+                                    fused=one_set)  # fmt: skip
         c = write_kv(cache, c) if read_only else c  # the resident rounds' form: write after
         return out.logits[0], c.k, c.v
 
@@ -268,6 +274,11 @@ def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params)
         np.testing.assert_allclose(later[0][m], ref[0][m], rtol=1e-6, atol=1e-6)
         for a, b in zip(later[1] + later[2], ref[1] + ref[2]):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    for by_slot, ref in ((True, new), (False, gather)):  # own K/V read back from the cache
+        one_set = run(by_slot, False, cache, toks, slot, pos, valid, off, True)
+        np.testing.assert_allclose(one_set[0][m], ref[0][m], rtol=1e-5, atol=1e-5)
+        for a, b in zip(one_set[1] + one_set[2], ref[1] + ref[2]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     written = np.zeros(cache.k[0].shape[0:1] + cache.k[0].shape[2:3], bool)  # [N, S]
     written[np.asarray(slot)[m], np.asarray(pos)[m]] = True
     for a, b, before in zip(new[1] + new[2], gather[1] + gather[2], cache.k + cache.v):
@@ -285,3 +296,26 @@ def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params)
         z = jnp.zeros(len(rows), jnp.int32)
         ref = run(False, False, one, toks[rows], z, pos[rows], z == 0, off[rows])[0]
         np.testing.assert_allclose(new[0][rows], ref, rtol=1e-5, atol=1e-5)
+        one_set = run(False, False, one, toks[rows], z, pos[rows], z == 0, off[rows], True)[0]
+        np.testing.assert_allclose(one_set, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_fused_projections_equal_the_separate_ones(arch):
+    """`Attention.qkv(fused=True)` (one product with q|k|v side by side, Qwen2's biases included)
+    and `MLP(fused=True)` (gate|up) give the separate products' values."""
+    from flax import nnx
+
+    from dspark_jax.models.layers import MLP, Attention
+
+    cfg = tiny_target_config(architecture=arch)
+    attn, mlp = Attention(cfg, rngs=nnx.Rngs(0)), MLP(cfg, rngs=nnx.Rngs(1))
+    if cfg.qkv_bias:  # non-zero biases, so that a misplaced one shows
+        for i, p in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)):
+            p.bias[...] = jnp.full(p.bias.shape, 0.1 * (i + 1), p.bias.dtype)
+    x = jax.random.normal(jax.random.key(2), (2, 5, cfg.hidden_size))
+    pos = jnp.broadcast_to(jnp.arange(3, 8), (2, 5))
+    for a, b in zip(attn.qkv(x, pos, fused=True), attn.qkv(x, pos)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(mlp(x, fused=True), mlp(x), rtol=1e-5, atol=1e-5)

@@ -182,34 +182,43 @@ def packed_round(
     seeds_N,
     sp,
     key,
+    *,
+    single_program: bool = False,
 ):
     """One speculative round over the active slots. Static: configs, scfg, num_tokens (T bucket
     >= sum over active of lengths + 1), cache_len (bucket >= every active anchor position +
-    lengths + 1). Arrays: params, state (donated), lengths [N] (0..γ), active [N], seeds [N],
-    sp (SamplingParams [N]; None in greedy mode), key."""
+    lengths + 1), single_program (`verify_forward`'s). Arrays: params, state (donated), lengths
+    [N] (0..γ), active [N], seeds [N], sp (SamplingParams [N]; None in greedy mode), key."""
     lengths_N = jnp.where(active_N, lengths_N, 0).astype(jnp.int32)
-    fwd = verify_forward(tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N)
+    fwd = verify_forward(tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N,
+                         single_program=single_program)  # fmt: skip
     return finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, sp, key)
 
 
 def verify_forward(
-    tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N, *, write=True
-):
+    tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N, *, write=True,
+    single_program=False,
+):  # fmt: skip
     """The target's packed verify forward (bucket T = num_tokens, attention over cache_len):
     (logits [N, γ+1, V], features [N, γ+1, F], the cache with the tokens' K/V written); with
     `write=False` the cache is only read and the last item is the tokens' K/V
-    (`models.packed.NewKV`, for `write_kv`)."""
+    (`models.packed.NewKV`, for `write_kv`). `single_program` (with `write`): the form of an
+    engine whose every round runs this one (T, S) program on unsplit weights (`ServingEngine`
+    decides): the tokens read their own K/V back from the cache and the q|k|v and gate|up
+    products are fused (`models.packed`'s `one_set` and `fused`) — cheaper, equal up to float
+    reassociation, so never mixed with the other form in one engine."""
     g = dcfg.block_size
     pos0 = state.cache.lengths  # [N]
     slot, off, valid, starts = pack_indices(lengths_N, active_N, num_tokens)
     drafts = state.prop_tokens[slot, jnp.clip(off - 1, 0, g - 1)]
     toks = jnp.where(off == 0, state.anchor[slot], drafts)
     pos = pos0[slot] + off
-    fwd = packed_forward if write else packed_forward_kv
-    out, c = fwd(
-        tcfg, tparams, toks, slot, off, pos, valid, state.cache, cache_len, compute_logits=True,
-        slot_tokens=g + 1,
-    )  # fmt: skip
+    common = (tcfg, tparams, toks, slot, off, pos, valid, state.cache, cache_len)
+    if write:
+        out, c = packed_forward(*common, slot_tokens=g + 1, one_set=single_program,
+                                fused=single_program)  # fmt: skip
+    else:
+        out, c = packed_forward_kv(*common, slot_tokens=g + 1)
     idx = jnp.clip(starts[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
     return out.logits[0][idx], out.features[0][idx], c
 

@@ -33,6 +33,7 @@ time or the other requests. Greedy output equals `models.generate.generate` toke
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 
@@ -67,6 +68,11 @@ _SCFG = {
     "sampled": SamplingConfig(),
     "filtered": SamplingConfig(top_k=True, top_p=True, min_p=True),
 }
+
+
+# one object each for every engine, so that another engine's jit finds the compiled programs
+_ROUND_SINGLE = functools.partial(dev.packed_round, single_program=True)
+_ROUNDS_SINGLE = functools.partial(rounds_lib.packed_rounds, single_program=True)
 
 
 def _buckets(values, top: int) -> tuple[int, ...]:
@@ -120,6 +126,13 @@ class ServingEngine(EngineDriving, EngineCommit):
         self.token_buckets = _buckets(token_buckets, top)
         self.cache_buckets = _buckets(cache_buckets or (), max_len)
         self.prompt_buckets = _buckets(prompt_buckets, min(max(prompt_buckets), max_len))
+        # one (T, S) verify program on unsplit weights: its cheaper form (`device.verify_forward`
+        # single_program) in the one-round and the K-round programs alike (a request's tokens
+        # do not depend on rounds_per_call)
+        tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+        single = len(self.token_buckets) * len(self.cache_buckets) == 1 and tensor == 1
+        self.round_fn = _ROUND_SINGLE if single else dev.packed_round
+        self.rounds_fn = _ROUNDS_SINGLE if single else rounds_lib.packed_rounds
         self.scheduler = Scheduler(
             policy,
             g,
@@ -135,12 +148,10 @@ class ServingEngine(EngineDriving, EngineCommit):
         self._prefill = flat_jit(
             dev.prefill_chunk, static_argnums=(0, 1, 2, 3), donate_argnums=(6,)
         )
-        self._round = flat_jit(
-            dev.packed_round, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,)
-        )
+        self._round = flat_jit(self.round_fn, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
         # device-resident rounds (engine.rounds): up to rounds_per_call rounds per jitted call
         self.rounds_per_call = rounds_per_call
-        self._rounds = flat_jit(rounds_lib.packed_rounds, static_argnums=tuple(range(6)),
+        self._rounds = flat_jit(self.rounds_fn, static_argnums=tuple(range(6)),
                                donate_argnums=(8,))  # fmt: skip
         self._cuts: tuple | None = None  # (key, threshold cuts) for the device threshold policy
         self._tally = CompileTally()  # compilations caused by this engine's device calls

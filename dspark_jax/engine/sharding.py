@@ -88,7 +88,6 @@ def shard_engine(engine, mesh: Mesh) -> None:
     """Place a freshly built `ServingEngine`'s params and slot state on `mesh` and rebuild its
     jitted device functions so that the state keeps its layout (called from its __init__)."""
     from dspark_jax.engine import device as dev
-    from dspark_jax.engine import rounds as rounds_lib
     from dspark_jax.engine.flat import flat_jit
 
     engine.mesh = mesh
@@ -108,13 +107,13 @@ def shard_engine(engine, mesh: Mesh) -> None:
         out_shardings=(sh, repl, repl),
     )
     engine._round = flat_jit(
-        dev.packed_round,
+        engine.round_fn,
         static_argnums=(0, 1, 2, 3, 4),
         donate_argnums=(7,),
         out_shardings=(sh, repl),
     )
     engine._rounds = flat_jit(
-        rounds_lib.packed_rounds,
+        engine.rounds_fn,
         static_argnums=tuple(range(6)),
         donate_argnums=(8,),
         out_shardings=(sh, repl),

@@ -74,7 +74,9 @@ def _forward(tcfg, cache_len, tparams, state, drafts):
     toks = jnp.concatenate([state.anchor[:1], drafts])
     pos = state.cache.lengths[0] + jnp.arange(t, dtype=jnp.int32)
     zeros, off = jnp.zeros((t,), jnp.int32), jnp.arange(t, dtype=jnp.int32)
-    return packed_forward(tcfg, tparams, toks, zeros, off, pos, off >= 0, state.cache, cache_len)
+    # the form a single-program engine's round runs (`engine.device.verify_forward`)
+    return packed_forward(tcfg, tparams, toks, zeros, off, pos, off >= 0, state.cache, cache_len,
+                          one_set=True, fused=True)  # fmt: skip
 
 
 _forward_jit = flat_jit(_forward, static_argnums=(0, 1))

@@ -128,27 +128,47 @@ class Attention(nnx.Module):
 
     def queries(self, x_BxTxI, positions_BxT):
         """Queries [B, T, n_q, d]: projection, q_norm (Qwen3), RoPE at `positions`."""
+        return self._finish_q(self.q_proj(x_BxTxI), positions_BxT)
+
+    def keys_values(self, x_BxTxI, positions_BxT):
+        """Keys (k_norm, RoPE at `positions`) and values, heads-first [B, n_kv, T, d]."""
+        return self._finish_kv(self.k_proj(x_BxTxI), self.v_proj(x_BxTxI), positions_BxT)
+
+    def qkv(self, x_BxTxI, positions_BxT, *, fused: bool = False):
+        """`queries` [B, T, n_q, d] and `keys_values` [B, n_kv, T, d] of the same input.
+
+        `fused` (static): one product with the three kernels side by side (concatenated inside
+        the program; XLA hoists that out of a decoding loop) instead of three: the same values
+        up to the product's summation order. On CPU a few-token product costs mostly its
+        dispatch and weight traffic (benchmarks/verify_profile.py); keep the default where the
+        kernels are split over devices (tensor parallelism), whose concatenation moves data."""
+        if not fused:
+            return self.queries(x_BxTxI, positions_BxT), *self.keys_values(x_BxTxI, positions_BxT)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        y = x_BxTxI @ jnp.concatenate([p.kernel[...] for p in projs], axis=1)
+        if self.q_proj.bias is not None:
+            y = y + jnp.concatenate([p.bias[...] for p in projs])
+        nq, nkv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
+        q, k, v = y[..., :nq], y[..., nq : nq + nkv], y[..., nq + nkv :]
+        return self._finish_q(q, positions_BxT), *self._finish_kv(k, v, positions_BxT)
+
+    def _finish_q(self, q_BxTxF, positions_BxT):
         c = self.cfg
-        b, t, _ = x_BxTxI.shape
-        q = self.q_proj(x_BxTxI).reshape(b, t, c.num_heads, c.head_dim)
+        b, t, _ = q_BxTxF.shape
+        q = q_BxTxF.reshape(b, t, c.num_heads, c.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q, positions_BxT, rope_inv_freq(c))
 
-    def keys_values(self, x_BxTxI, positions_BxT):
-        """Keys (k_norm, RoPE at `positions`) and values, heads-first [B, n_kv, T, d]."""
+    def _finish_kv(self, k_BxTxF, v_BxTxF, positions_BxT):
         c = self.cfg
-        b, t, _ = x_BxTxI.shape
-        k = self.k_proj(x_BxTxI).reshape(b, t, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x_BxTxI).reshape(b, t, c.num_kv_heads, c.head_dim)
+        b, t, _ = k_BxTxF.shape
+        k = k_BxTxF.reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = v_BxTxF.reshape(b, t, c.num_kv_heads, c.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
         k = apply_rope(k, positions_BxT, rope_inv_freq(c))
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-
-    def qkv(self, x_BxTxI, positions_BxT):
-        """`queries` [B, T, n_q, d] and `keys_values` [B, n_kv, T, d] of the same input."""
-        return self.queries(x_BxTxI, positions_BxT), *self.keys_values(x_BxTxI, positions_BxT)
 
 
 class MLP(nnx.Module):
@@ -159,8 +179,13 @@ class MLP(nnx.Module):
         self.up_proj = Linear(h, f, rngs=rngs, dtype=dt, logical=("embed", "mlp"))
         self.down_proj = Linear(f, h, rngs=rngs, dtype=dt, logical=("mlp", "embed"))
 
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, *, fused: bool = False):
+        """`fused` (static): gate and up as one product (`Attention.qkv`'s `fused`)."""
+        if not fused:
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        f = self.gate_proj.kernel.shape[1]
+        y = x @ jnp.concatenate([self.gate_proj.kernel[...], self.up_proj.kernel[...]], axis=1)
+        return self.down_proj(jax.nn.silu(y[..., :f]) * y[..., f:])
 
 
 def joint_softmax(scores, masks):
