@@ -6,7 +6,7 @@ The demo's target (configs/tiny.py: 16 layers x 160, vocab 2048, random init) an
 * ``current``: the library as it is;
 * ``baseline``: attention over a cache through `jnp.einsum` with the queries as the left operand
   (XLA:CPU then copies the key cache to [d, S] on every call), the batch-1 verify forward's own
-  tokens as a second key set and unfused projections, and drafters that compute each slot's distribution inside their
+  tokens as a second key set, and drafters that compute each slot's distribution inside their
   sequential loop and draw from it with `jax.random.categorical` (one softmax and one threefry
   pass per slot) — how they were written before `layers._few_queries_*`, `models.packed`'s
   `one_set`, `spec.sampling.gumbel_noise` and `drafters.common.draw_tokens` drawing from logits.
@@ -18,8 +18,9 @@ Timed interleaved after compiling, medians of ``--reps``:
                   the baseline attends to the cached prefix and to the tokens' own K/V as two
                   key sets (one merged softmax) with separate q / k / v and gate / up products,
                   the current reads the tokens' K/V back from the cache in one set and fuses
-                  those products (`models.packed`'s `one_set` and `fused`, what a
-                  single-program engine's round runs);
+                  those products (`models.packed`'s `one_set` and `fused`, a single-program
+                  engine's form), the kernels concatenated on every call as in a one-round
+                  call (verify_profile.py times it in a loop, as the K-round program runs it);
   verify_b8       the packed verify forward at batch 8 (8 slots x 8 tokens, cache 256): the
                   baseline gathers every token's slot cache (`T` copies of the keys and values
                   per layer), the current lays the queries out slot-major and reads each slot's
@@ -139,7 +140,8 @@ def _programs(tcfg, tparams, ds, options=None):
         off = jnp.arange(GAMMA + 1, dtype=jnp.int32)
         zeros = jnp.zeros((GAMMA + 1,), jnp.int32)
         o, _ = packed_forward(tcfg, params, toks, zeros, off, cache.lengths[0] + off, off >= 0,
-                              cache, CACHE, one_set=not _Baseline.on, fused=not _Baseline.on)  # fmt: skip
+                              cache, CACHE, one_set=not _Baseline.on,
+                              fused=not _Baseline.on)  # fmt: skip
         return o.logits
 
     c1 = tf.init_cache(tcfg, 1, CACHE).with_lengths(jnp.array([100], jnp.int32))

@@ -183,30 +183,30 @@ def packed_round(
     sp,
     key,
     *,
-    single_program: bool = False,
+    one_set: bool = False,
+    fused: bool = False,
 ):
     """One speculative round over the active slots. Static: configs, scfg, num_tokens (T bucket
     >= sum over active of lengths + 1), cache_len (bucket >= every active anchor position +
-    lengths + 1), single_program (`verify_forward`'s). Arrays: params, state (donated), lengths
+    lengths + 1), one_set / fused (`verify_forward`'s). Arrays: params, state (donated), lengths
     [N] (0..γ), active [N], seeds [N], sp (SamplingParams [N]; None in greedy mode), key."""
     lengths_N = jnp.where(active_N, lengths_N, 0).astype(jnp.int32)
     fwd = verify_forward(tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N,
-                         single_program=single_program)  # fmt: skip
+                         one_set=one_set, fused=fused)  # fmt: skip
     return finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, sp, key)
 
 
 def verify_forward(
     tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N, *, write=True,
-    single_program=False,
+    one_set=False, fused=False,
 ):  # fmt: skip
     """The target's packed verify forward (bucket T = num_tokens, attention over cache_len):
     (logits [N, γ+1, V], features [N, γ+1, F], the cache with the tokens' K/V written); with
     `write=False` the cache is only read and the last item is the tokens' K/V
-    (`models.packed.NewKV`, for `write_kv`). `single_program` (with `write`): the form of an
-    engine whose every round runs this one (T, S) program on unsplit weights (`ServingEngine`
-    decides): the tokens read their own K/V back from the cache and the q|k|v and gate|up
-    products are fused (`models.packed`'s `one_set` and `fused`) — cheaper, equal up to float
-    reassociation, so never mixed with the other form in one engine."""
+    (`models.packed.NewKV`, for `write_kv`). `one_set` (with `write`) and `fused`: the cheaper
+    forms of `models.packed` (the tokens' own K/V read back from the cache in one key set; q|k|v
+    and gate|up as one product each), equal to the default up to float reassociation, so one
+    engine runs one form in all its round programs (`ServingEngine` decides)."""
     g = dcfg.block_size
     pos0 = state.cache.lengths  # [N]
     slot, off, valid, starts = pack_indices(lengths_N, active_N, num_tokens)
@@ -215,10 +215,9 @@ def verify_forward(
     pos = pos0[slot] + off
     common = (tcfg, tparams, toks, slot, off, pos, valid, state.cache, cache_len)
     if write:
-        out, c = packed_forward(*common, slot_tokens=g + 1, one_set=single_program,
-                                fused=single_program)  # fmt: skip
+        out, c = packed_forward(*common, slot_tokens=g + 1, one_set=one_set, fused=fused)
     else:
-        out, c = packed_forward_kv(*common, slot_tokens=g + 1)
+        out, c = packed_forward_kv(*common, slot_tokens=g + 1, fused=fused)
     idx = jnp.clip(starts[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
     return out.logits[0][idx], out.features[0][idx], c
 

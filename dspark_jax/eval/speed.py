@@ -74,7 +74,8 @@ def _forward(tcfg, cache_len, tparams, state, drafts):
     toks = jnp.concatenate([state.anchor[:1], drafts])
     pos = state.cache.lengths[0] + jnp.arange(t, dtype=jnp.int32)
     zeros, off = jnp.zeros((t,), jnp.int32), jnp.arange(t, dtype=jnp.int32)
-    # the form a single-program engine's round runs (`engine.device.verify_forward`)
+    # the form the breakdown's one-slot engines run (`ServingEngine`: one (T, S) program); as
+    # in their one-round calls, the fused kernels are concatenated on every call
     return packed_forward(tcfg, tparams, toks, zeros, off, pos, off >= 0, state.cache, cache_len,
                           one_set=True, fused=True)  # fmt: skip
 
