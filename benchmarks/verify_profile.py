@@ -146,6 +146,8 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--cache", type=int, default=256)
     args = ap.parse_args()
+    if min(args.tokens) < 1:
+        sys.exit(f"--tokens {args.tokens}: every token count must be >= 1")
     if args.cache < 64 + 8 * max(args.tokens):
         sys.exit(f"--cache {args.cache} is too small: use at least {64 + 8 * max(args.tokens)}")
     import drafter_step  # the demo's models, shared with the training benchmarks
