@@ -128,6 +128,27 @@ def test_one_verify_program_runs_in_place_with_the_same_tokens():
     assert not re.findall(rf"= f32\[{layer}\]\S* copy\(", text)
 
 
+def test_the_engine_picks_one_verify_form_for_all_its_round_programs(monkeypatch):
+    """One (T, S) program on one device: own K/V read back from the cache, and (CPU, a small
+    target) fused products; several programs: neither; a target past `FUSED_MAX_BYTES`: no fusion.
+    The one-round and K-round programs of an engine run the same form."""
+    import dspark_jax.engine.serving as serving
+
+    tcfg, tp, dcfg, dp = agreeing_pair(vocab=64, gamma=G)
+    one = dict(KW, num_slots=1, token_buckets=(G + 1,), cache_buckets=(96,))
+
+    def form(**kw):
+        e = ServingEngine(tcfg, dcfg, tp, dp, rounds_per_call=4, **kw)
+        kws = [getattr(f, "keywords", {}) for f in (e.round_fn, e.rounds_fn)]
+        assert kws[0] == kws[1]
+        return e.verify_form, kws[0]
+
+    assert form(**one) == ((True, True), {"one_set": True, "fused": True})
+    assert form(**KW) == ((False, False), {})
+    monkeypatch.setattr(serving, "FUSED_MAX_BYTES", 0)
+    assert form(**one) == ((True, False), {"one_set": True, "fused": False})
+
+
 def test_threshold_cuts_match_the_host_policy():
     sts = STS((0.5, 1.0, 2.0, 3.7))
     rng = np.random.default_rng(0)

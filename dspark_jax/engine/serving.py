@@ -57,6 +57,7 @@ from dspark_jax.engine.requests import (
 from dspark_jax.engine.scheduling import Scheduler
 from dspark_jax.engine.slots import Request, SlotTable, validate_request
 from dspark_jax.errors import ConfigError, RequestError
+from dspark_jax.models.packed import FUSED_MAX_BYTES, fused_copy_bytes
 from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
 
 # Compiled sampling modes, cheapest first: argmax; temperature only; top-k / top-p / min-p
@@ -134,12 +135,16 @@ class ServingEngine(EngineDriving, EngineCommit):
         # The verify forward's form (`device.verify_forward`), the same in the one-round and the
         # K-round programs, whatever rounds_per_call (a request's tokens do not depend on it).
         # With one (T, S) program on unsplit weights (no tensor parallelism): the tokens' K/V
-        # read back from the cache in one key set, and the q|k|v and gate|up products fused
-        # (their kernels concatenated once per call: hoisted out of the K-round loop, paid by
-        # every one-round call, ~0.5 ms at T = 8 on the demo's target, about what fusing saves).
+        # read back from the cache in one key set; on CPU, for a small target, also the q|k|v and
+        # gate|up products fused (`models.packed.FUSED_MAX_BYTES`; the kernels concatenated
+        # once per call: hoisted out of the K-round loop, paid by every one-round call, ~0.5 ms
+        # at T = 8 on the demo's target, about what fusing saves there).
         tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
         single = len(self.token_buckets) * len(self.cache_buckets) == 1 and tensor == 1
-        self.round_fn, self.rounds_fn = _round_programs(single, single)
+        small = fused_copy_bytes(tparams) <= FUSED_MAX_BYTES
+        fused = single and small and jax.default_backend() == "cpu"
+        self.verify_form = (single, fused)  # (one_set, fused)
+        self.round_fn, self.rounds_fn = _round_programs(single, fused)
         self.scheduler = Scheduler(
             policy,
             g,

@@ -68,19 +68,19 @@ def _propose(dcfg, scfg, dparams, state, key, seeds, sp):
 _propose_jit = flat_jit(_propose, static_argnums=(0, 1))
 
 
-def _forward(tcfg, cache_len, tparams, state, drafts):
-    """The round's packed verify forward over one slot's anchor + drafts ([T] tokens)."""
+def _forward(tcfg, cache_len, one_set, fused, tparams, state, drafts):
+    """The round's packed verify forward over one slot's anchor + drafts ([T] tokens), in the
+    engine's form (`ServingEngine.verify_form`)."""
     t = drafts.shape[0] + 1
     toks = jnp.concatenate([state.anchor[:1], drafts])
     pos = state.cache.lengths[0] + jnp.arange(t, dtype=jnp.int32)
     zeros, off = jnp.zeros((t,), jnp.int32), jnp.arange(t, dtype=jnp.int32)
-    # the form the breakdown's one-slot engines run (`ServingEngine`: one (T, S) program); as
-    # in their one-round calls, the fused kernels are concatenated on every call
+    # as in the engine's one-round calls, fused kernels are concatenated on every call
     return packed_forward(tcfg, tparams, toks, zeros, off, pos, off >= 0, state.cache, cache_len,
-                          one_set=True, fused=True)  # fmt: skip
+                          one_set=one_set, fused=fused)  # fmt: skip
 
 
-_forward_jit = flat_jit(_forward, static_argnums=(0, 1))
+_forward_jit = flat_jit(_forward, static_argnums=(0, 1, 2, 3))
 
 
 class _Slot:
@@ -248,7 +248,8 @@ def round_breakdown(
         for t in ts:
             drafts = jnp.zeros((t - 1,), jnp.int32) + slot.snapshot.anchor[0]
             timers[f"fwd_{t}"] = lambda drafts=drafts: _ms(lambda: jax.block_until_ready(
-                _forward_jit(tcfg, s_len, slot.eng.program_params[0], slot.snapshot, drafts)))  # fmt: skip
+                _forward_jit(tcfg, s_len, *slot.eng.verify_form, slot.eng.program_params[0],
+                             slot.snapshot, drafts)))  # fmt: skip
     for fn in timers.values():  # compile and warm every program
         fn()
         fn()
