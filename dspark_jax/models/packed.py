@@ -25,7 +25,8 @@ prefix mask stops before the written positions).
 key set with the prefix (each token sees its slot's positions up to its own, as plain decoding's
 `transformer.forward` does) instead of a second set straight from the layer: one score product,
 one value product and a plain softmax per layer instead of two each and a merge, 5% of a batch-1
-8-token verify forward of the demo's target (3.09 vs 3.27 ms, 32-round loop, interleaved). The
+8-token verify forward of the demo's target (3.09 vs 3.27 ms, 32-round loop, interleaved). It
+needs `cache_len` past every valid token's own position (the engine's cache bucket rule). The
 two forms differ by float reassociation, so a caller uses it only where every program that must
 give the same tokens does (the engine: when it has a single (T, S) verify program).
 
