@@ -203,7 +203,7 @@ def verify_forward(
     """The target's packed verify forward (bucket T = num_tokens, attention over cache_len):
     (logits [N, γ+1, V], features [N, γ+1, F], the cache with the tokens' K/V written); with
     `write=False` the cache is only read and the last item is the tokens' K/V
-    (`models.packed.NewKV`, for `write_kv`). `one_set` (with `write`) and `fused`: the cheaper
+    (`models.packed.NewKV`, for `write_kv`). `one_set` and `fused` (with `write`): the cheaper
     forms of `models.packed` (the tokens' own K/V read back from the cache in one key set; q|k|v
     and gate|up as one product each), equal to the default up to float reassociation, so one
     engine runs one form in all its round programs (`ServingEngine` decides)."""
@@ -217,7 +217,7 @@ def verify_forward(
     if write:
         out, c = packed_forward(*common, slot_tokens=g + 1, one_set=one_set, fused=fused)
     else:
-        out, c = packed_forward_kv(*common, slot_tokens=g + 1, fused=fused)
+        out, c = packed_forward_kv(*common, slot_tokens=g + 1)
     idx = jnp.clip(starts[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
     return out.logits[0][idx], out.features[0][idx], c
 

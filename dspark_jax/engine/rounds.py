@@ -9,9 +9,9 @@ is >= a per-position cut that `threshold_cuts` finds so that the comparison equa
 float64 `STS.probs(rho) >= θ` for every float32 `rho`), and each round's token bucket T and
 cache bucket S are chosen on the device as the host would choose them, by `lax.switch` over the
 compiled (T, S) verify forwards (with only one, it is called directly and writes the cache in
-place). The engine chooses the verify forward's form (`device.verify_forward`'s `one_set` and
-`fused`) and runs the same one in its one-round program. So a request's tokens do not depend on K: the K-round call runs
-the same arithmetic, with the same keys (seed, position, round counter), as K one-round calls.
+place, in the form the engine chose for its one-round program too: `device.verify_forward`'s
+`one_set` / `fused`). So a request's tokens do not depend on K: the K-round call runs the same
+arithmetic, with the same keys (seed, position, round counter), as K one-round calls.
 
 Stop ids and max_new_tokens are honoured on the device: a round in which any row finishes (a stop
 id among its committed tokens, or its token budget reached) is the call's last one, so the host
@@ -43,15 +43,14 @@ class RoundsOut(NamedTuple):
     count: jax.Array  # [] rounds run (1..K; the rest of the arrays is padding)
 
 
-def _forward_branch(tcfg, dcfg, num_tokens, cache_len, max_tokens, fused, tparams, state,
-                    lengths_N, active_N):  # fmt: skip
+def _forward_branch(tcfg, dcfg, num_tokens, cache_len, max_tokens, tparams, state, lengths_N,
+                    active_N):  # fmt: skip
     """One (T, S) verify program of the switch: it reads the state and returns the tokens' K/V
     padded to the largest bucket (one output shape), written after the switch: a branch that
     returned the updated cache made the loop copy the whole cache every round."""
     logits, feats, kv = dev.verify_forward(
-        tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N, write=False,
-        fused=fused,
-    )  # fmt: skip
+        tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N, write=False
+    )
     return logits, feats, kv.padded(max_tokens)
 
 
@@ -96,7 +95,7 @@ def packed_rounds(
     the loop ends after a round in which any row finishes). Static: configs, scfg, the bucket
     tuples, max_rounds (K, the output size). Arrays: params, state (donated), active [N],
     seeds [N], sp, key, room [N] (tokens each request may still emit, >= 1 when active),
-    one_set (static; with one (T, S) pair only) and fused (static): `device.verify_forward`'s,
+    one_set / fused (static, used with one (T, S) pair only): `device.verify_forward`'s,
     stop [N, M] (-1 padded), gamma_p (fixed γ), use_threshold (bool), cuts [γ] (float32),
     n_rounds (int32, dynamic: 1..K)."""
     g = dcfg.block_size
@@ -104,7 +103,7 @@ def packed_rounds(
     tb = jnp.asarray(token_buckets, jnp.int32)
     cb = jnp.asarray(cache_buckets, jnp.int32)
     branches = [
-        functools.partial(_forward_branch, tcfg, dcfg, t, s, max(token_buckets), fused)
+        functools.partial(_forward_branch, tcfg, dcfg, t, s, max(token_buckets))
         for t in token_buckets
         for s in cache_buckets
     ]

@@ -74,7 +74,7 @@ _SCFG = {
 @functools.cache  # one object per form for all engines: another engine finds the compiled programs
 def _round_programs(one_set: bool, fused: bool):
     """(one-round, K-round) device functions running the verify forward in this form."""
-    if not (one_set or fused):
+    if not (one_set or fused):  # the functions themselves
         return dev.packed_round, rounds_lib.packed_rounds
     kw = dict(one_set=one_set, fused=fused)
     one, many = dev.packed_round, rounds_lib.packed_rounds
@@ -141,8 +141,11 @@ class ServingEngine(EngineDriving, EngineCommit):
         # at T = 8 on the demo's target, about what fusing saves there).
         tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
         single = len(self.token_buckets) * len(self.cache_buckets) == 1 and tensor == 1
-        small = fused_copy_bytes(tparams) <= FUSED_MAX_BYTES
-        fused = single and small and jax.default_backend() == "cpu"
+        fused = (
+            single
+            and jax.default_backend() == "cpu"
+            and fused_copy_bytes(tparams) <= FUSED_MAX_BYTES
+        )
         self.verify_form = (single, fused)  # (one_set, fused)
         self.round_fn, self.rounds_fn = _round_programs(single, fused)
         self.scheduler = Scheduler(

@@ -143,14 +143,13 @@ def packed_forward_kv(
     *,
     compute_logits: bool = True,
     slot_tokens: int = 0,
-    fused: bool = False,
 ) -> tuple[tf.ForwardOut, NewKV]:
     """Static: cfg, cache_len, compute_logits, slot_tokens (0: never slot-major), T. Returns
     ForwardOut with [1, T, ...] arrays (logits fp32, features, hidden) and the tokens' K/V; the
     cache is only read."""
     return _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cache_len,
                     compute_logits, slot_tokens, write=False, one_set=False,
-                    fused=fused)  # fmt: skip
+                    fused=False)  # fmt: skip
 
 
 def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cache_len,
