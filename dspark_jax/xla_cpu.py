@@ -1,4 +1,5 @@
-"""The XLA:CPU compiler option the training steps and batch-1 plain decoding are compiled with.
+"""XLA:CPU tuning: the compiler option the training steps and batch-1 plain decoding are compiled
+with, and the unrolled lowering of JAX's random-bit generator (`unrolled_threefry`, below).
 
 XLA:CPU hands some fused computations to YNNPACK. Its default also gives it reductions, and on
 the vocabulary-sized parts of training (log-softmax, softmax, L1 over [tokens, V]) those fused
@@ -53,12 +54,16 @@ ENV = "DSPARK_XLA_CPU_TRAINING"
 
 
 @functools.cache  # read once: `generate` asks at every batch-1 call
-def _jaxlib_release() -> tuple[int, int] | None:
+def _release(package: str) -> tuple[int, int] | None:
     try:
-        major, minor = metadata.version("jaxlib").split(".")[:2]
+        major, minor = metadata.version(package).split(".")[:2]
         return int(major), int(minor)
     except (metadata.PackageNotFoundError, ValueError):
         return None
+
+
+def _jaxlib_release() -> tuple[int, int] | None:
+    return _release("jaxlib")
 
 
 def batch1_decode_compiler_options(environ=os.environ) -> dict[str, str] | None:
@@ -78,3 +83,43 @@ def training_compiler_options(environ=os.environ) -> dict[str, str] | None:
     if jax.default_backend() != "cpu":
         return None
     return {OPTION: VALUE}
+
+
+# ---------------------------------------------------------------------------------------------
+# threefry on CPU
+
+THREEFRY_ENV = "DSPARK_XLA_CPU_THREEFRY"
+THREEFRY_CHECKED_JAX = ((0, 10),)  # jax releases whose private lowering API this was checked on
+_threefry_on = False
+
+
+def unrolled_threefry(environ=os.environ) -> bool:
+    """Lower JAX's threefry2x32 hash (behind every `jax.random` draw) on the CPU backend as
+    straight-line code, the lowering JAX itself uses on the other backends, instead of its CPU
+    default: a rolled 5-iteration loop of small array ops. Every draw is bit for bit the same
+    (the same uint32 arithmetic; tests/test_xla_cpu.py compares them); XLA fuses the unrolled
+    rounds into one loop over the elements. On the 2-core CPU (`benchmarks/threefry_cpu.py`) the
+    Gumbel noise of one [2048]-vocabulary draw, which every sampled token of plain decoding
+    pays, took 43.5 -> 13 us, the drafter's γ = 7 draws 91 -> 40 us.
+
+    Process-wide and for programs compiled after the call; train.py and serve.py call it at
+    start-up, a library user may too. Returns whether the unrolled lowering is in place: False
+    on a jax release it was not checked on (it uses `jax._src`), where the private names are
+    gone, or with DSPARK_XLA_CPU_THREEFRY=off."""
+    global _threefry_on
+    if _threefry_on:
+        return True
+    if environ.get(THREEFRY_ENV, "").strip().lower() in ("0", "off", "none", "false"):
+        return False
+    if _release("jax") not in THREEFRY_CHECKED_JAX:
+        return False
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.random import threefry2x32 as tf
+
+        rule = tf._threefry2x32_lowering_rule  # JAX's unrolled rule (its non-CPU default)
+        mlir.register_lowering(tf.threefry2x32_p, rule, platform="cpu", inline=False)
+    except (ImportError, AttributeError):
+        return False
+    _threefry_on = True
+    return True

@@ -1,5 +1,8 @@
 """The training steps' XLA:CPU option: given only where it applies, accepted by the installed
-jaxlib with the same results, and wired into the target's and the drafter trainer's steps."""
+jaxlib with the same results, and wired into the target's and the drafter trainer's steps; the
+unrolled threefry lowering: the same bits, given only where it applies."""
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -83,3 +86,50 @@ def test_batch1_plain_decoding_is_compiled_with_it_and_batches_are_not(monkeypat
             gen, "batch1_decode_compiler_options", xla_cpu.training_compiler_options
         )
         assert gen.generate(cfg, params, [[1, 2, 3]], max_new_tokens=12) == want
+
+
+_THREEFRY_SCRIPT = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from dspark_jax import xla_cpu
+from dspark_jax.spec import sampling as S
+
+def draws():
+    key = jax.random.key(7)
+    keys = jax.random.split(key, 5)
+    f = jax.jit(lambda k, ks: (
+        jax.random.bits(k, (37, 3)), jax.random.uniform(k, (1000,)), S.gumbel_noise(ks, 300),
+        jax.random.categorical(jax.random.fold_in(k, 3), jnp.zeros((4, 50))),
+        jax.random.key_data(jax.random.split(k, 3))))
+    text = jax.jit(lambda k: jax.random.bits(k, (64,))).lower(key).as_text()
+    return [np.asarray(x).tolist() for x in f(key, keys)], "while" in text
+
+before, rolled_loop = draws()
+jax.clear_caches()
+on = xla_cpu.unrolled_threefry({})
+after, unrolled_loop = draws()
+print(json.dumps(dict(on=on, same=before == after, rolled_loop=rolled_loop,
+                      unrolled_loop=unrolled_loop, again=xla_cpu.unrolled_threefry({}))))
+"""
+
+
+def test_unrolled_threefry_draws_the_same_bits_without_a_loop():
+    """In a fresh process (the lowering is process-wide): every kind of draw the project makes
+    is bit for bit the same after the switch, and the lowered hash has lost its rolled loop."""
+    import json
+    import subprocess
+    import sys
+
+    if xla_cpu._release("jax") not in xla_cpu.THREEFRY_CHECKED_JAX:
+        pytest.skip("jax release the unrolled lowering was not checked on")
+    out = subprocess.run([sys.executable, "-c", _THREEFRY_SCRIPT], capture_output=True,
+                         text=True, check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r == dict(on=True, same=True, rolled_loop=True, unrolled_loop=False, again=True)
+
+
+def test_unrolled_threefry_is_not_given_where_it_does_not_apply(monkeypatch):
+    monkeypatch.setattr(xla_cpu, "_threefry_on", False)
+    assert xla_cpu.unrolled_threefry({xla_cpu.THREEFRY_ENV: "off"}) is False
+    monkeypatch.setattr(xla_cpu, "_release", lambda package: (0, 4))
+    assert xla_cpu.unrolled_threefry({}) is False

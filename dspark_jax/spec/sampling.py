@@ -317,8 +317,16 @@ def gumbel_noise(keys: jax.Array, num_classes: int, dtype=jnp.float32) -> jax.Ar
     tokens bit for bit, and on CPU one threefry pass instead of one per step (CPU JAX runs
     threefry as a rolled loop of small ops; the per-slot draws were about a third of the demo
     drafters' γ = 7 proposal, benchmarks/decode_paths.py).
+
+    The keys are made before the noise (an optimization barrier): XLA would otherwise fuse a
+    key's derivation (`fold_in`s of seed and position) into the fusion that hashes each of its V
+    elements and recompute it per element; with threefry unrolled (`xla_cpu.unrolled_threefry`)
+    that made sampled decoding at batch 32 0.94x instead of 1.05x (benchmarks/threefry_cpu.py).
     """
     flat = jnp.reshape(keys, (-1,))
+    flat = jax.random.wrap_key_data(
+        jax.lax.optimization_barrier(jax.random.key_data(flat)), impl=jax.random.key_impl(flat)
+    )
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (num_classes,), dtype))(flat)
     return noise.reshape(*jnp.shape(keys), num_classes)
 

@@ -51,6 +51,7 @@ from dspark_jax.spec.sampling import (
     SamplingConfig,
     SamplingParams,
     check_logits,
+    sample_from_logits,
     transform_logits,
 )
 
@@ -170,10 +171,9 @@ def verify_core(
         next_dist = jnp.where(bonus, pt_next, residual_dist(pt_next, pd_next))  # [B, V]
     next_positions = positions.astype(jnp.int32) + 1 + num_accepted  # [B]
     next_keys = rng_lib.position_keys(key, rng_lib.SAMPLE, seeds, next_positions)  # [B]
-    next_token = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(
-        next_keys, jnp.log(next_dist)
-    )
-    return num_accepted, next_token.astype(jnp.int32)
+    # jax.random.categorical's draw (sample_from_logits: the same tokens, keys made first)
+    next_token = sample_from_logits(next_keys, jnp.log(next_dist))
+    return num_accepted, next_token
 
 
 _verify_jit = jax.jit(verify_core, static_argnames=("cfg",))
