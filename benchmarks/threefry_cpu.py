@@ -107,7 +107,7 @@ def main():
     if xla_cpu._release("jax") not in xla_cpu.THREEFRY_CHECKED_JAX:
         sys.exit(f"jax {jax.__version__}: the unrolled lowering is only given on jax "
                  f"{xla_cpu.THREEFRY_CHECKED_JAX}; nothing to compare")  # fmt: skip
-    if os.environ.get(xla_cpu.THREEFRY_ENV, "").strip().lower() in ("0", "off", "none", "false"):
+    if xla_cpu.switched_off(xla_cpu.THREEFRY_ENV):
         sys.exit(f"{xla_cpu.THREEFRY_ENV} turns the unrolled lowering off; unset it to compare")
     import drafter_step  # the demo's models, shared with the training benchmarks
 

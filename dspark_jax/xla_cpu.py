@@ -66,6 +66,11 @@ def _jaxlib_release() -> tuple[int, int] | None:
     return _release("jaxlib")
 
 
+def switched_off(name: str, environ=os.environ) -> bool:
+    """Whether the environment variable `name` turns its setting off (0 / off / none / false)."""
+    return environ.get(name, "").strip().lower() in ("0", "off", "none", "false")
+
+
 def batch1_decode_compiler_options(environ=os.environ) -> dict[str, str] | None:
     """`compiler_options` for plain decoding at batch 1: the training steps' (see above)."""
     return training_compiler_options(environ)
@@ -76,7 +81,7 @@ def training_compiler_options(environ=os.environ) -> dict[str, str] | None:
     does not apply (another backend, an unchecked jaxlib, turned off, the user's own setting)."""
     import jax
 
-    if environ.get(ENV, "").strip().lower() in ("0", "off", "none", "false"):
+    if switched_off(ENV, environ):
         return None
     if OPTION in environ.get("XLA_FLAGS", "") or _jaxlib_release() not in CHECKED_JAXLIB:
         return None
@@ -110,7 +115,7 @@ def unrolled_threefry(environ=os.environ) -> bool:
     global _threefry_on
     if _threefry_on:
         return True
-    if environ.get(THREEFRY_ENV, "").strip().lower() in ("0", "off", "none", "false"):
+    if switched_off(THREEFRY_ENV, environ):
         return False
     if _release("jax") not in THREEFRY_CHECKED_JAX:
         return False
