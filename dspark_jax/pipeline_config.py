@@ -145,7 +145,7 @@ class EvalStage:
     batch_size: int = 8
     # prompt + generation cap; 0 = the target's context (max_position_embeddings)
     max_len: int = 0
-    speed_prompts: int = 8
+    speed_prompts: int = 8  # per evaluated dataset, for the batch-1 speed section
     # further temperatures at which the τ table is repeated (the main table, calibration, the
     # analyses and the speed section use `temperature`); e.g. (0.0,) for greedy as well
     temperatures: tuple[float, ...] = (0.0,)

@@ -1,5 +1,7 @@
-"""XLA:CPU tuning: the compiler option the training steps and batch-1 plain decoding are compiled
-with, and the unrolled lowering of JAX's random-bit generator (`unrolled_threefry`, below).
+"""XLA:CPU tuning: which fused computations each kind of program hands to YNNPACK (the training
+steps and batch-1 plain decoding: dots and elementwise; the serving engine's programs and
+batch-1 prefill: none), and the unrolled lowering of JAX's random-bit generator
+(`unrolled_threefry`, below).
 
 XLA:CPU hands some fused computations to YNNPACK. Its default also gives it reductions, and on
 the vocabulary-sized parts of training (log-softmax, softmax, L1 over [tokens, V]) those fused
@@ -38,7 +40,19 @@ changes another program, and an option a jaxlib does not know is a compile error
 the abort an unknown XLA_FLAGS entry is; still, it is given only on the jaxlib releases it was
 checked on (the option is experimental and may be renamed), only on the CPU backend, and never
 when the user set the same option in XLA_FLAGS. DSPARK_XLA_CPU_TRAINING=off turns it off (for
-both uses).
+all three uses).
+
+The serving engine's programs (prefill, one round, K device-resident rounds: the drafter's
+proposal, the verify forward over a block of tokens per slot, acceptance) and batch-1 plain
+prefill go the other way: compiled with no YNNPACK fusions at all (`ENGINE_VALUE`, the empty
+list), their products of a few to a few hundred rows run in XLA's own dot kernels, which on
+this CPU are faster at those shapes than YNNPACK's, while YNNPACK's stay faster for the one-row
+products of a plain decode step. On the demo's models in one process (benchmarks/engine_ynn.py,
+interleaved, end to end with prefill, the chat's stop ids, T = 1, 12 held-out prompts): a
+speculative round at batch 1 with 8 device-resident rounds per call 6.6 -> 5.9 ms, prefill
+12.8 -> 9.5 ms per request (+1 token), an 8-slot evaluation batch 2.15 -> 2.02 s; plain decoding
+with no YNNPACK at all lost (1.43 -> 1.77 ms per token), so its decode loop keeps the option
+above and only its prefill, a separate program at batch 1, is compiled without.
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ from importlib import metadata
 
 OPTION = "xla_cpu_experimental_ynn_fusion_type"
 VALUE = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"
+ENGINE_VALUE = ""  # no fusion handed to YNNPACK
 CHECKED_JAXLIB = ((0, 10),)  # (major, minor) releases the option exists in and was measured on
 ENV = "DSPARK_XLA_CPU_TRAINING"
 
@@ -72,13 +87,23 @@ def switched_off(name: str, environ=os.environ) -> bool:
 
 
 def batch1_decode_compiler_options(environ=os.environ) -> dict[str, str] | None:
-    """`compiler_options` for plain decoding at batch 1: the training steps' (see above)."""
+    """`compiler_options` for plain decoding's loop at batch 1: the training steps' (above)."""
     return training_compiler_options(environ)
 
 
 def training_compiler_options(environ=os.environ) -> dict[str, str] | None:
     """`compiler_options` for `jax.jit` of a training step: {OPTION: VALUE}, or None where it
     does not apply (another backend, an unchecked jaxlib, turned off, the user's own setting)."""
+    return _given(VALUE, environ)
+
+
+def engine_compiler_options(environ=os.environ) -> dict[str, str] | None:
+    """`compiler_options` for the serving engine's programs and batch-1 plain prefill:
+    {OPTION: ENGINE_VALUE} (no YNNPACK fusions), or None where it does not apply (as above)."""
+    return _given(ENGINE_VALUE, environ)
+
+
+def _given(value: str, environ) -> dict[str, str] | None:
     import jax
 
     if switched_off(ENV, environ):
@@ -87,7 +112,7 @@ def training_compiler_options(environ=os.environ) -> dict[str, str] | None:
         return None
     if jax.default_backend() != "cpu":
         return None
-    return {OPTION: VALUE}
+    return {OPTION: value}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,9 +23,14 @@ def test_given_only_where_it_applies(monkeypatch):
     users = {"XLA_FLAGS": f"--{xla_cpu.OPTION}=dot"}
     assert xla_cpu.training_compiler_options(users) is None
     assert xla_cpu.training_compiler_options({xla_cpu.ENV: "off"}) is None
+    # the engine's: no YNNPACK fusion, under the same conditions
+    assert xla_cpu.engine_compiler_options({}) == {xla_cpu.OPTION: ""}
+    assert xla_cpu.engine_compiler_options(users) is None
+    assert xla_cpu.engine_compiler_options({xla_cpu.ENV: "off"}) is None
     for release in [(0, 6), (1, 0), None]:  # releases it was not checked on
         monkeypatch.setattr(xla_cpu, "_jaxlib_release", lambda r=release: r)
         assert xla_cpu.training_compiler_options({}) is None
+        assert xla_cpu.engine_compiler_options({}) is None
 
 
 def test_the_installed_jaxlib_compiles_with_it_and_computes_the_same():
@@ -38,8 +43,9 @@ def test_the_installed_jaxlib_compiles_with_it_and_computes_the_same():
 
     low = jax.jit(f).lower(x)
     want = low.compile()(x)
-    got = low.compile({xla_cpu.OPTION: xla_cpu.VALUE})(x)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    for value in (xla_cpu.VALUE, xla_cpu.ENGINE_VALUE):
+        got = low.compile({xla_cpu.OPTION: value})(x)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     with pytest.raises(Exception, match="valid enum|NOT_A_FUSION_TYPE"):
         low.compile(BAD)
 
@@ -86,6 +92,62 @@ def test_batch1_plain_decoding_is_compiled_with_it_and_batches_are_not(monkeypat
             gen, "batch1_decode_compiler_options", xla_cpu.training_compiler_options
         )
         assert gen.generate(cfg, params, [[1, 2, 3]], max_new_tokens=12) == want
+
+
+def test_batch1_prefill_is_compiled_with_the_engines_option_and_batches_are_not(monkeypatch):
+    """At batch 1 `generate` prefills in its own program with the engine's option; a batch of
+    two is one program with XLA's default."""
+    from dspark_jax.models import generate as gen
+    from dspark_jax.models.transformer import init_params
+    from dspark_jax.testing import tiny_target_config
+
+    cfg = tiny_target_config()
+    params = init_params(cfg, 0)
+    want = gen.generate(cfg, params, [[1, 2, 3]], max_new_tokens=12)
+    monkeypatch.setattr(gen, "engine_compiler_options", lambda: BAD)
+    with pytest.raises(Exception, match="valid enum|NOT_A_FUSION_TYPE"):
+        gen.generate(cfg, params, [[1, 2, 3]], max_new_tokens=2, batch_buckets=(1, 2))
+    out = gen.generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=2, batch_buckets=(1, 2))
+    assert [len(o) for o in out] == [2, 2]
+    # neither option (another backend, turned off): one program, the same tokens
+    monkeypatch.setattr(gen, "engine_compiler_options", lambda: None)
+    monkeypatch.setattr(gen, "batch1_decode_compiler_options", lambda: None)
+    assert gen._batch1_programs() is None
+    assert gen.generate(cfg, params, [[1, 2, 3]], max_new_tokens=12) == want
+
+
+def test_the_serving_engines_programs_are_compiled_with_its_option(monkeypatch):
+    """Prefill, one-round and K-round programs of a ServingEngine carry the engine's option (a
+    rejected one fails each of them), and with the real one greedy output is plain greedy's."""
+    from dspark_jax.engine import ServingEngine, serving
+    from dspark_jax.engine.flat import flat_jit
+    from dspark_jax.models.generate import generate
+    from tests.engine_models import agreeing_pair
+
+    tcfg, tp, dcfg, dp = agreeing_pair(vocab=64, gamma=4)
+
+    def engine(k):
+        return ServingEngine(tcfg, dcfg, tp, dp, num_slots=1, max_len=48, prompt_buckets=(8,),
+                             token_buckets=(5,), modes=("greedy",), rounds_per_call=k)  # fmt: skip
+
+    def run(eng, prompt, n):
+        return eng.generate([prompt], max_new_tokens=n, temperature=0.0)[0].tokens
+
+    real = serving.engine_compiler_options()
+    monkeypatch.setattr(serving, "engine_compiler_options", lambda: BAD)
+    with pytest.raises(Exception, match="valid enum|NOT_A_FUSION_TYPE"):
+        run(engine(1), [3, 9, 1], 12)  # fails in prefill
+    for k in (1, 4):  # with a prefill that compiles, in the one-round / K-round program
+        eng = engine(k)
+        eng._prefill = flat_jit(serving.dev.prefill_chunk, static_argnums=(0, 1, 2, 3),
+                                donate_argnums=(6,), compiler_options=real)  # fmt: skip
+        with pytest.raises(Exception, match="valid enum|NOT_A_FUSION_TYPE"):
+            run(eng, [3, 9, 1], 12)
+    monkeypatch.setattr(serving, "engine_compiler_options", lambda: real)
+    for k in (1, 4):
+        assert (
+            run(engine(k), [3, 9, 1], 12) == generate(tcfg, tp, [[3, 9, 1]], max_new_tokens=12)[0]
+        )
 
 
 _THREEFRY_SCRIPT = r"""

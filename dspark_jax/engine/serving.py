@@ -59,6 +59,7 @@ from dspark_jax.engine.slots import Request, SlotTable, validate_request
 from dspark_jax.errors import ConfigError, RequestError
 from dspark_jax.models.packed import FUSED_MAX_BYTES, fused_copy_bytes
 from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
+from dspark_jax.xla_cpu import engine_compiler_options
 
 # Compiled sampling modes, cheapest first: argmax; temperature only; top-k / top-p / min-p
 # filters (a sort over the vocabulary per row). A round runs in the cheapest mode that honours
@@ -160,14 +161,18 @@ class ServingEngine(EngineDriving, EngineCommit):
         )
         self.key = jax.random.key(root_seed)
         # the device programs take the params as FlatParams (`program_params`, engine.flat)
+        # compiled with the engine's XLA:CPU option (no YNNPACK fusions: xla_cpu.py)
+        opts = engine_compiler_options()
         self._prefill = flat_jit(
-            dev.prefill_chunk, static_argnums=(0, 1, 2, 3), donate_argnums=(6,)
-        )
-        self._round = flat_jit(self.round_fn, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
+            dev.prefill_chunk, static_argnums=(0, 1, 2, 3), donate_argnums=(6,),
+            compiler_options=opts,
+        )  # fmt: skip
+        self._round = flat_jit(self.round_fn, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,),
+                               compiler_options=opts)  # fmt: skip
         # device-resident rounds (engine.rounds): up to rounds_per_call rounds per jitted call
         self.rounds_per_call = rounds_per_call
         self._rounds = flat_jit(self.rounds_fn, static_argnums=tuple(range(6)),
-                               donate_argnums=(8,))  # fmt: skip
+                               donate_argnums=(8,), compiler_options=opts)  # fmt: skip
         self._cuts: tuple | None = None  # (key, threshold cuts) for the device threshold policy
         self._tally = CompileTally()  # compilations caused by this engine's device calls
         # committed to the device like every later state (a jit output), so the first call

@@ -28,6 +28,7 @@ of K rounds / K), `device_ms` (its K-round call, blocked, less one dispatch, / K
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
@@ -44,6 +45,7 @@ from dspark_jax.errors import ConfigError
 from dspark_jax.models.generate import generate
 from dspark_jax.models.packed import packed_forward
 from dspark_jax.testing import CompileCounter
+from dspark_jax.xla_cpu import engine_compiler_options
 
 VERIFY_TOKENS = (1, 2, 4, 8, 16)
 
@@ -65,7 +67,9 @@ def _propose(dcfg, scfg, dparams, state, key, seeds, sp):
                                 rounds_B=state.rounds)  # fmt: skip
 
 
-_propose_jit = flat_jit(_propose, static_argnums=(0, 1))
+@functools.cache
+def _propose_jit():  # compiled as the engine's programs are (xla_cpu.engine_compiler_options)
+    return flat_jit(_propose, static_argnums=(0, 1), compiler_options=engine_compiler_options())
 
 
 def _forward(tcfg, cache_len, one_set, fused, tparams, state, drafts):
@@ -80,7 +84,10 @@ def _forward(tcfg, cache_len, one_set, fused, tparams, state, drafts):
                           one_set=one_set, fused=fused)  # fmt: skip
 
 
-_forward_jit = flat_jit(_forward, static_argnums=(0, 1, 2, 3))
+@functools.cache
+def _forward_jit():  # compiled as the engine's programs are
+    return flat_jit(_forward, static_argnums=(0, 1, 2, 3),
+                    compiler_options=engine_compiler_options())  # fmt: skip
 
 
 class _Slot:
@@ -221,7 +228,7 @@ def round_breakdown(
             return st
 
         def propose(slot=slot, eng=eng, scfg=scfg, sp=sp, seeds=seeds):
-            return _ms(lambda: jax.block_until_ready(_propose_jit(
+            return _ms(lambda: jax.block_until_ready(_propose_jit()(
                 eng.dcfg, scfg, eng.program_params[1], slot.snapshot, eng.key, seeds, sp)))  # fmt: skip
 
         timers[f"dispatch_{kind}"] = lambda slot=slot, eng=eng: _ms(
@@ -248,7 +255,7 @@ def round_breakdown(
         for t in ts:
             drafts = jnp.zeros((t - 1,), jnp.int32) + slot.snapshot.anchor[0]
             timers[f"fwd_{t}"] = lambda drafts=drafts: _ms(lambda: jax.block_until_ready(
-                _forward_jit(tcfg, s_len, *slot.eng.verify_form, slot.eng.program_params[0],
+                _forward_jit()(tcfg, s_len, *slot.eng.verify_form, slot.eng.program_params[0],
                              slot.snapshot, drafts)))  # fmt: skip
     for fn in timers.values():  # compile and warm every program
         fn()
@@ -348,7 +355,9 @@ def measured_speedup(
     prefill more, so repeating one sample per prompt would make tokens/s hinge on which side
     happened to draw the shorter answers. Without `stop_ids` both emit exactly
     `max_new_tokens` per prompt, past the end of the answer (text the drafters were not trained
-    on: on the demo's models 4.1 instead of 5.2 tokens per round, the speedup about the same)."""
+    on: on the demo's models 4.1 instead of 5.2 tokens per round, the speedup about the same).
+    `speedup` pools every pass; `speedup_per_pass` is each pass's own ratio (how much the
+    machine's pace moved it)."""
     sampling = None if temperature == 0 else {"temperature": temperature}
     prompts = [[int(x) for x in p] for p in prompts]
 
@@ -367,23 +376,27 @@ def measured_speedup(
     for i, p in enumerate(prompts):
         ar(p, i)
         sd(p, i)
-    tok = {"autoregressive": 0, "speculative": 0}
-    secs = {"autoregressive": 0.0, "speculative": 0.0}
+    names = ("autoregressive", "speculative")
+    per = np.zeros((passes, 2, 2))  # [pass, path, (tokens, seconds)]
     rounds[0] = 0
     with CompileCounter() as cc:
         for k in range(passes):
             for i, p in enumerate(prompts):
                 seed = k * len(prompts) + i
-                for name, fn in (("autoregressive", ar), ("speculative", sd)):
+                for j, fn in enumerate((ar, sd)):
                     t0 = time.perf_counter()
-                    tok[name] += len(fn(p, seed))
-                    secs[name] += time.perf_counter() - t0
-    res = {f"{k}_tokens_per_s": tok[k] / max(secs[k], 1e-9) for k in tok}
+                    per[k, j, 0] += len(fn(p, seed))
+                    per[k, j, 1] += time.perf_counter() - t0
+    tok = dict(zip(names, per[:, :, 0].sum(0)))
+    secs = dict(zip(names, per[:, :, 1].sum(0)))
+    res = {f"{k}_tokens_per_s": float(tok[k] / max(secs[k], 1e-9)) for k in tok}
     res["speedup"] = res["speculative_tokens_per_s"] / res["autoregressive_tokens_per_s"]
+    rate = per[:, :, 0] / np.maximum(per[:, :, 1], 1e-9)
+    res["speedup_per_pass"] = [float(x) for x in rate[:, 1] / np.maximum(rate[:, 0], 1e-9)]
     # per round end to end (prefill included): the tokens a round emits and what it costs
-    res["tokens_per_round"] = tok["speculative"] / max(rounds[0], 1)
-    res["ms_per_round"] = secs["speculative"] * 1e3 / max(rounds[0], 1)
-    res["ms_per_plain_token"] = secs["autoregressive"] * 1e3 / max(tok["autoregressive"], 1)
+    res["tokens_per_round"] = float(tok["speculative"] / max(rounds[0], 1))
+    res["ms_per_round"] = float(secs["speculative"] * 1e3 / max(rounds[0], 1))
+    res["ms_per_plain_token"] = float(secs["autoregressive"] * 1e3 / max(tok["autoregressive"], 1))
     res["slots"] = decoder.num_slots
     res["rounds_per_call"] = decoder.rounds_per_call
     res["prompts"] = len(prompts)
@@ -399,6 +412,13 @@ def _lengths(measured: dict) -> str:
     return "each path emitting exactly the token budget per prompt"
 
 
+def _pass_range(measured: dict) -> str:
+    per = measured.get("speedup_per_pass") or []
+    if len(per) < 2:
+        return ""
+    return f" (the passes' own ratios {min(per):.2f}–{max(per):.2f}×)"
+
+
 def markdown_speed(bd: dict | None, measured: dict | None) -> list[str]:
     lines = ["", "## Speed at batch 1 (compiled code only)", ""]
     if measured:
@@ -406,7 +426,8 @@ def markdown_speed(bd: dict | None, measured: dict | None) -> list[str]:
             f"Measured end to end ({measured['prompts']} prompts × {measured.get('passes', 1)} "
             f"passes, {_lengths(measured)}): speculative "
             f"{measured['speculative_tokens_per_s']:.1f} tok/s vs plain "
-            f"{measured['autoregressive_tokens_per_s']:.1f} tok/s = **{measured['speedup']:.2f}×**; "
+            f"{measured['autoregressive_tokens_per_s']:.1f} tok/s = **{measured['speedup']:.2f}×**"
+            f"{_pass_range(measured)}; "
             f"compilations during timing: {measured['compilations_during_timing']}. One slot, up to "
             f"{measured['rounds_per_call']} device-resident rounds per host call: "
             f"{measured['tokens_per_round']:.2f} tokens per round at "

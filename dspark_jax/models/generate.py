@@ -56,7 +56,7 @@ from dspark_jax.spec.sampling import (
     transform_logits,
     validate_sampling_params,
 )
-from dspark_jax.xla_cpu import batch1_decode_compiler_options
+from dspark_jax.xla_cpu import batch1_decode_compiler_options, engine_compiler_options
 
 __all__ = [
     "DEFAULT_BATCH_BUCKETS",
@@ -264,6 +264,11 @@ def decode_step(
 def _generate(cfg, params, tokens_BxP, lengths_B, req, *, scfg, cache_len):
     """Prefill + `lax.while_loop` decode; returns (tokens_BxS, num_new_B)."""
     state = start(cfg, params, tokens_BxP, lengths_B, req, scfg=scfg, cache_len=cache_len)
+    return _decode_loop(cfg, params, state, req, scfg=scfg, cache_len=cache_len)
+
+
+def _decode_loop(cfg, params, state, req, *, scfg, cache_len):
+    """`lax.while_loop` of `decode_step` from a started state; returns (tokens_BxS, num_new_B)."""
 
     def cond(carry):
         i, st = carry
@@ -285,13 +290,22 @@ Returns tokens_BxS (token at position p stored at [b, p]) and num_new_B.
 """
 
 
+def _batch1_programs():
+    """(prefill, decode loop) for batch 1, each compiled with its XLA:CPU option (`xla_cpu.py`:
+    prefill as the serving engine's programs, the loop with YNNPACK's dots), or None where
+    neither applies (then `generate_jit`, one program)."""
+    pre = tuple((engine_compiler_options() or {}).items())
+    loop = tuple((batch1_decode_compiler_options() or {}).items())
+    return _batch1_jits(pre, loop) if pre or loop else None
+
+
 @functools.cache
-def _generate_jit_with(options: tuple):
-    """`generate_jit` compiled with these XLA compiler options (batch 1: `xla_cpu.py`)."""
-    if not options:
-        return generate_jit
-    return jax.jit(_generate, static_argnames=("cfg", "scfg", "cache_len"),
-                   compiler_options=dict(options))  # fmt: skip
+def _batch1_jits(pre: tuple, loop: tuple):
+    names = ("cfg", "scfg", "cache_len")
+    return (
+        jax.jit(start, static_argnames=names, compiler_options=dict(pre) or None),
+        jax.jit(_decode_loop, static_argnames=names, compiler_options=dict(loop) or None),
+    )  # fmt: skip
 
 
 start_jit = jax.jit(start, static_argnames=("cfg", "scfg", "cache_len"))
@@ -472,13 +486,14 @@ def _run_bucket(cfg, params, prompts, rows: _HostRows, stop_K, key, scfg, bucket
         )
     req = DecodeRequest(mx, stop_K, key, sd, sampling)
     if loop == "device":
-        # batch 1 with the XLA:CPU option that keeps its cache updates in place (xla_cpu.py)
-        fn = (
-            _generate_jit_with(tuple((batch1_decode_compiler_options() or {}).items()))
-            if b == 1
-            else generate_jit
-        )
-        toks, num = fn(cfg, params, tokens, lengths, req, scfg=scfg, cache_len=s)
+        # batch 1: prefill and the loop as two programs with their XLA:CPU options (the loop's
+        # keeps its cache updates in place, xla_cpu.py)
+        batch1 = _batch1_programs() if b == 1 else None
+        if batch1 is None:
+            toks, num = generate_jit(cfg, params, tokens, lengths, req, scfg=scfg, cache_len=s)
+        else:
+            state = batch1[0](cfg, params, tokens, lengths, req, scfg=scfg, cache_len=s)
+            toks, num = batch1[1](cfg, params, state, req, scfg=scfg, cache_len=s)
     else:
         toks, num = _generate_host(cfg, params, tokens, lengths, req, scfg, s)
     toks, num = np.asarray(toks), np.asarray(num)

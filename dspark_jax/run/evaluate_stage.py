@@ -53,7 +53,8 @@ def run_evaluate(p) -> dict:
         if e.speed_reps:
             breakdown = _speed_breakdown(p, first.prompts[0], table)
         p.log("  speed: plain vs speculative decoding at batch 1 (every bucket warmed)")
-        sprompts = first.prompts[: e.speed_prompts]
+        # `speed_prompts` from every evaluated set (each domain's answers draft differently)
+        sprompts = [q for ds in datasets.values() for q in ds.prompts[: e.speed_prompts]]
         # batch 1, fixed γ: every round but the last verifies γ + 1 tokens, so one token
         # bucket (the device loop then has fewer verify programs to choose among); the prompt
         # buckets are plain `generate`'s (a prompt is prefilled at its own bucket on both sides)
@@ -64,7 +65,7 @@ def run_evaluate(p) -> dict:
         )  # fmt: skip
         speed = evspeed.measured_speedup(
             batch1, tcfg, tparams, sprompts,
-            max_new_tokens=e.max_new_tokens, temperature=e.temperature, stop_ids=stop,
+            max_new_tokens=e.max_new_tokens, temperature=e.temperature, stop_ids=stop, passes=5,
         )  # fmt: skip
         speed = {"drafter": kind, **speed}
     extra = _analyses(p, all_results, datasets, domains, breakdown, table)
