@@ -47,11 +47,12 @@ proposal, the verify forward over a block of tokens per slot, acceptance) and ba
 prefill go the other way: compiled with no YNNPACK fusions at all (`ENGINE_VALUE`, the empty
 list), their products of a few to a few hundred rows run in XLA's own dot kernels, which on
 this CPU are faster at those shapes than YNNPACK's, while YNNPACK's stay faster for the one-row
-products of a plain decode step. On the demo's models in one process (benchmarks/engine_ynn.py,
-interleaved, end to end with prefill, the chat's stop ids, T = 1, 12 held-out prompts): a
-speculative round at batch 1 with 8 device-resident rounds per call 6.6 -> 5.9 ms, prefill
-12.8 -> 9.5 ms per request (+1 token), an 8-slot evaluation batch 2.15 -> 2.02 s; plain decoding
-with no YNNPACK at all lost (1.43 -> 1.77 ms per token), so its decode loop keeps the option
+products of a plain decode step. On the demo's models in one process (benchmarks/engine_ynn.py:
+12 held-out prompts from the three evaluation sets, T = 1, the chat's stop ids, prefill
+included, 5 interleaved passes; three runs): DSpark's batch-1 speculative decoding (8
+device-resident rounds per call) 1.14 / 1.17 / 1.17x faster per token with the option than with
+XLA's default, the 8-slot evaluation decoder 1.07 / 0.97 / 1.13x; plain decoding with no
+YNNPACK at all lost (1.43 -> 1.77 ms per token in one process), so its decode loop keeps the option
 above and only its prefill, a separate program at batch 1, is compiled without.
 """
 
