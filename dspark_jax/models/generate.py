@@ -19,8 +19,8 @@ Randomness: the token at position `p` of the request with seed `s` is drawn with
 batch nor on padding.
 
 The loop: after one prefill of all rows at once, the decode steps run inside one jitted
-`lax.while_loop` (one dispatch per batch; finished rows are masked, the loop exits when every row
-is done). The alternative, a jitted one-step function driven from the host (`loop="host"`,
+`lax.while_loop` (one dispatch per batch, two at batch 1 on CPU where prefill and loop take
+different XLA:CPU options; finished rows are masked, the loop exits when every row is done). The alternative, a jitted one-step function driven from the host (`loop="host"`,
 dispatched asynchronously, `done` read back every 8 steps), is kept for measurement. On the 2-core
 CPU we develop on, benchmarks/vs_transformers.py measured the device loop 1.3x faster at batch 1
 (per-token dispatch is a visible share of a ~7 ms step) and on par (0.93x, within noise) at batch 8.
