@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 
 from dspark_jax import xla_cpu  # noqa: E402
 from dspark_jax.engine import serving  # noqa: E402
+from dspark_jax.models import decoding  # noqa: E402
 from dspark_jax.models import generate as gen  # noqa: E402
 
 
@@ -99,7 +100,7 @@ def main() -> None:
     spec_eng = speed_decoder()
     with mock.patch.object(serving, "engine_compiler_options", lambda: None):
         spec_default_eng = speed_decoder()
-    one = jax.jit(gen._generate, static_argnames=("cfg", "scfg", "cache_len"),
+    one = jax.jit(decoding._generate, static_argnames=("cfg", "scfg", "cache_len"),
                   compiler_options=xla_cpu.batch1_decode_compiler_options())  # fmt: skip
 
     def plain(q, seed):

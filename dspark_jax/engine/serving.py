@@ -160,19 +160,9 @@ class ServingEngine(EngineDriving, EngineCommit):
             has_confidence=dcfg.kind == "dspark" and bool(getattr(dcfg, "confidence_head", True)),
         )
         self.key = jax.random.key(root_seed)
-        # the device programs take the params as FlatParams (`program_params`, engine.flat)
-        # compiled with the engine's XLA:CPU option (no YNNPACK fusions: xla_cpu.py)
-        opts = engine_compiler_options()
-        self._prefill = flat_jit(
-            dev.prefill_chunk, static_argnums=(0, 1, 2, 3), donate_argnums=(6,),
-            compiler_options=opts,
-        )  # fmt: skip
-        self._round = flat_jit(self.round_fn, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,),
-                               compiler_options=opts)  # fmt: skip
+        self._jit_programs()
         # device-resident rounds (engine.rounds): up to rounds_per_call rounds per jitted call
         self.rounds_per_call = rounds_per_call
-        self._rounds = flat_jit(self.rounds_fn, static_argnums=tuple(range(6)),
-                               donate_argnums=(8,), compiler_options=opts)  # fmt: skip
         self._cuts: tuple | None = None  # (key, threshold cuts) for the device threshold policy
         self._tally = CompileTally()  # compilations caused by this engine's device calls
         # committed to the device like every later state (a jit output), so the first call
@@ -209,6 +199,26 @@ class ServingEngine(EngineDriving, EngineCommit):
         self._acc_pos = np.zeros(g, np.int64)
         self._verified_hist = np.zeros(num_slots * g + 1, np.int64)
         self._finished_by_reason: dict[str, int] = {}
+
+    def _jit_programs(self, state_sharding=None, replicated=None):
+        """The device programs: prefill, one round, up to K rounds (engine.rounds). They take
+        the params as FlatParams (`program_params`, engine.flat) and are compiled with the
+        engine's XLA:CPU option (no YNNPACK fusion: xla_cpu.py); on a mesh (engine.sharding)
+        their outputs are pinned to the state's shardings."""
+        opts = engine_compiler_options()
+
+        def kw(n_replicated):
+            if state_sharding is None:
+                return {"compiler_options": opts}
+            outs = (state_sharding,) + (replicated,) * n_replicated
+            return {"compiler_options": opts, "out_shardings": outs}
+
+        self._prefill = flat_jit(dev.prefill_chunk, static_argnums=(0, 1, 2, 3),
+                                 donate_argnums=(6,), **kw(2))  # fmt: skip
+        self._round = flat_jit(self.round_fn, static_argnums=(0, 1, 2, 3, 4),
+                               donate_argnums=(7,), **kw(1))  # fmt: skip
+        self._rounds = flat_jit(self.rounds_fn, static_argnums=tuple(range(6)),
+                                donate_argnums=(8,), **kw(1))  # fmt: skip
 
     def set_policy(self, policy, *, gamma=None, threshold=0.5, cost_profile=None, sts=None):
         """Swap the verification policy (host only: nothing recompiles). Engine must be idle."""

@@ -23,7 +23,6 @@ from jax.sharding import Mesh, NamedSharding
 
 from dspark_jax import parallel
 from dspark_jax.config import MeshConfig
-from dspark_jax.xla_cpu import engine_compiler_options
 
 
 def mesh_from_flag(text: str) -> Mesh | None:
@@ -88,9 +87,6 @@ def place_params(params, mesh: Mesh):
 def shard_engine(engine, mesh: Mesh) -> None:
     """Place a freshly built `ServingEngine`'s params and slot state on `mesh` and rebuild its
     jitted device functions so that the state keeps its layout (called from its __init__)."""
-    from dspark_jax.engine import device as dev
-    from dspark_jax.engine.flat import flat_jit
-
     engine.mesh = mesh
     engine.tparams = place_params(engine.tparams, mesh)
     engine.dparams = place_params(engine.dparams, mesh)
@@ -101,25 +97,4 @@ def shard_engine(engine, mesh: Mesh) -> None:
     # outputs pinned to the very sharding objects the state was placed with: the next call sees
     # identical argument shardings (a `with_sharding_constraint` may spell them differently,
     # e.g. P() vs P(None), which is a new jit cache entry)
-    opts = engine_compiler_options()  # the engine's XLA:CPU option (xla_cpu.py)
-    engine._prefill = flat_jit(
-        dev.prefill_chunk,
-        static_argnums=(0, 1, 2, 3),
-        donate_argnums=(6,),
-        out_shardings=(sh, repl, repl),
-        compiler_options=opts,
-    )
-    engine._round = flat_jit(
-        engine.round_fn,
-        static_argnums=(0, 1, 2, 3, 4),
-        donate_argnums=(7,),
-        out_shardings=(sh, repl),
-        compiler_options=opts,
-    )
-    engine._rounds = flat_jit(
-        engine.rounds_fn,
-        static_argnums=tuple(range(6)),
-        donate_argnums=(8,),
-        out_shardings=(sh, repl),
-        compiler_options=opts,
-    )
+    engine._jit_programs(sh, repl)
