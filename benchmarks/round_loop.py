@@ -176,7 +176,7 @@ def bench_prefill(tcfg, tp, dcfg, dp, reps):
 
         def run(s=s):
             eng.state, first, _ = eng._prefill(
-                tcfg, dcfg, eng._scfg("greedy"), s, *eng.program_params, eng.state, np.int32(0), toks,
+                eng.tcfg, dcfg, eng._scfg("greedy"), s, *eng.program_params, eng.state, np.int32(0), toks,
                 toks, np.int32(0), np.int32(PROMPT), np.bool_(True), np.uint32(0), None,
                 eng.key,
             )  # fmt: skip

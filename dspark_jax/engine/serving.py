@@ -57,7 +57,7 @@ from dspark_jax.engine.requests import (
 from dspark_jax.engine.scheduling import Scheduler
 from dspark_jax.engine.slots import Request, SlotTable, validate_request
 from dspark_jax.errors import ConfigError, RequestError
-from dspark_jax.models.packed import FUSED_MAX_BYTES, fused_copy_bytes
+from dspark_jax.models.transformer import untie_lm_head
 from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
 from dspark_jax.xla_cpu import engine_compiler_options
 
@@ -80,6 +80,22 @@ def _round_programs(one_set: bool, fused: bool):
     kw = dict(one_set=one_set, fused=fused)
     one, many = dev.packed_round, rounds_lib.packed_rounds
     return functools.partial(one, **kw), functools.partial(many, **kw)
+
+
+# A tied LM head is run from an untied [H, V] copy on CPU when the copy is at most this large
+# (`transformer.untie_lm_head`): XLA:CPU's dot reads the tied [V, H] table transposed, 7x slower
+# than the copy at the verify forward's 8 rows under the engine's option (220 vs 31 us, demo
+# target), a tenth of a batch-1 round (benchmarks/engine_head.py)
+UNTIE_MAX_BYTES = 256 << 20
+
+
+def untie_applies(tcfg, tparams) -> bool:
+    """Whether the engine runs this target with an untied LM head copy (CPU, a tied head, the
+    copy within UNTIE_MAX_BYTES)."""
+    if not tcfg.tie_word_embeddings or jax.default_backend() != "cpu":
+        return False
+    table = tparams["embed_tokens"][...]
+    return table.size * table.dtype.itemsize <= UNTIE_MAX_BYTES
 
 
 def _buckets(values, top: int) -> tuple[int, ...]:
@@ -123,6 +139,9 @@ class ServingEngine(EngineDriving, EngineCommit):
             raise ConfigError(f"rounds_per_call must be an integer >= 1, got {rounds_per_call!r}")
         if not set(modes) <= set(MODES) or not modes:
             raise ConfigError(f"modes must be a non-empty subset of {MODES}: {modes}")
+        if untie_applies(tcfg, tparams):  # the same logits, a faster head product on CPU
+            tcfg, tparams = untie_lm_head(tcfg, tparams)
+        # the target as the engine's programs run it (tcfg / tparams: possibly the untied form)
         self.tcfg, self.dcfg, self.tparams, self.dparams = tcfg, dcfg, tparams, dparams
         self.gamma = g = dcfg.block_size
         self.num_slots, self.max_len, self.max_queue = num_slots, max_len, max_queue
@@ -136,17 +155,13 @@ class ServingEngine(EngineDriving, EngineCommit):
         # The verify forward's form (`device.verify_forward`), the same in the one-round and the
         # K-round programs, whatever rounds_per_call (a request's tokens do not depend on it).
         # With one (T, S) program on unsplit weights (no tensor parallelism): the tokens' K/V
-        # read back from the cache in one key set; on CPU, for a small target, also the q|k|v and
-        # gate|up products fused (`models.packed.FUSED_MAX_BYTES`; the kernels concatenated
-        # once per call: hoisted out of the K-round loop, paid by every one-round call, ~0.5 ms
-        # at T = 8 on the demo's target, about what fusing saves there).
+        # read back from the cache in one key set. The q|k|v and gate|up products stay separate:
+        # fused (`models.packed`'s `fused`) they made a batch-1 round of the demo's target 10%
+        # slower under the engine's XLA:CPU option, pre-concatenated kernels included
+        # (4.46-4.50 vs 4.04 ms, benchmarks/engine_head.py).
         tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
         single = len(self.token_buckets) * len(self.cache_buckets) == 1 and tensor == 1
-        fused = (
-            single
-            and jax.default_backend() == "cpu"
-            and fused_copy_bytes(tparams) <= FUSED_MAX_BYTES
-        )
+        fused = False
         self.verify_form = (single, fused)  # (one_set, fused)
         self.round_fn, self.rounds_fn = _round_programs(single, fused)
         self.scheduler = Scheduler(

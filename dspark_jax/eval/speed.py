@@ -79,7 +79,6 @@ def _forward(tcfg, cache_len, one_set, fused, tparams, state, drafts):
     toks = jnp.concatenate([state.anchor[:1], drafts])
     pos = state.cache.lengths[0] + jnp.arange(t, dtype=jnp.int32)
     zeros, off = jnp.zeros((t,), jnp.int32), jnp.arange(t, dtype=jnp.int32)
-    # as in the engine's one-round calls, fused kernels are concatenated on every call
     return packed_forward(tcfg, tparams, toks, zeros, off, pos, off >= 0, state.cache, cache_len,
                           one_set=one_set, fused=fused)  # fmt: skip
 
@@ -222,7 +221,7 @@ def round_breakdown(
         full, active = np.full(1, g, np.int32), np.ones(1, bool)
 
         def run_round(st, eng=eng, g=g, scfg=scfg, sp=sp, seeds=seeds, full=full, active=active):
-            st, out = eng._round(tcfg, eng.dcfg, scfg, g + 1, eng.max_len, *eng.program_params,
+            st, out = eng._round(eng.tcfg, eng.dcfg, scfg, g + 1, eng.max_len, *eng.program_params,
                                  st, full, active, seeds, sp, eng.key)  # fmt: skip
             jax.block_until_ready(out)
             return st
@@ -255,8 +254,8 @@ def round_breakdown(
         for t in ts:
             drafts = jnp.zeros((t - 1,), jnp.int32) + slot.snapshot.anchor[0]
             timers[f"fwd_{t}"] = lambda drafts=drafts: _ms(lambda: jax.block_until_ready(
-                _forward_jit()(tcfg, s_len, *slot.eng.verify_form, slot.eng.program_params[0],
-                             slot.snapshot, drafts)))  # fmt: skip
+                _forward_jit()(slot.eng.tcfg, s_len, *slot.eng.verify_form,
+                             slot.eng.program_params[0], slot.snapshot, drafts)))  # fmt: skip
     for fn in timers.values():  # compile and warm every program
         fn()
         fn()

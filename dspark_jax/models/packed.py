@@ -84,23 +84,6 @@ class NewKV(NamedTuple):
         )  # fmt: skip
 
 
-# `fused` is for small targets only: the concatenated kernels are a transient copy of the fused
-# weights (live through a K-round loop, which hoists the concatenation), and the gain measured
-# (CPU, the demo's 16 x 160 target, 10 MB of them) is per-op overhead that large products do not
-# have
-FUSED_MAX_BYTES = 64 << 20
-_FUSED_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-
-
-def fused_copy_bytes(params) -> int:
-    """Bytes of the q / k / v / gate / up kernels in `params` (what `fused` concatenates)."""
-    total = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if any(n in jax.tree_util.keystr(path) for n in _FUSED_NAMES):
-            total += leaf.size * leaf.dtype.itemsize
-    return total
-
-
 def write_kv(cache: tf.KVCache, kv: NewKV) -> tf.KVCache:
     """The cache with `kv`'s tokens written at [slot, :, pos] (lengths unchanged)."""
     rows = kv.slot[None, :]

@@ -18,6 +18,7 @@ Parameters store logical axis names as `logical=` metadata; `parallel.py` maps t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -191,6 +192,22 @@ def init_params(cfg: TargetConfig, seed: int = 0) -> nnx.State:
 
 def build(cfg: TargetConfig, params: nnx.State) -> Transformer:
     return nnx.merge(graphdef(cfg), params)
+
+
+def untie_lm_head(cfg: TargetConfig, params: nnx.State) -> tuple[TargetConfig, nnx.State]:
+    """The same model with an untied LM head: (cfg with tie_word_embeddings=False, params with
+    `lm_head.kernel` = a materialised [H, V] copy of the embedding table). Identical logits; the
+    head's product then reads its weight in [in, out] order, which XLA:CPU's own dot kernels run
+    several times faster than the tied table's transposed read at a few rows (the serving engine
+    untie on CPU, `xla_cpu.untie_lm_head_applies`). An untied model is returned unchanged."""
+    if not cfg.tie_word_embeddings:
+        return cfg, params
+    untied = dataclasses.replace(cfg, tie_word_embeddings=False)
+    out = nnx.split(nnx.eval_shape(lambda: Transformer(untied, rngs=nnx.Rngs(0))))[1]
+    pure = params.to_pure_dict()
+    pure["lm_head"] = {"kernel": jnp.transpose(pure["embed_tokens"]).copy()}
+    nnx.replace_by_pure_dict(out, pure)
+    return untied, out
 
 
 def forward(
