@@ -8,11 +8,13 @@ shuffled order, medians reported; absolute times on a shared CPU are noise, the 
 
 Round breakdown, on the serving engine's own programs (`engine.device`, one slot, fixed γ,
 blocked calls, the params passed as the engine passes them, `engine.flat.FlatParams`; the cost
-of one dispatch with the same arguments, a jitted no-op, is subtracted from each separately
-called component):
+of one dispatch with the same arguments, a jitted no-op, is subtracted from the propose and
+round calls):
   propose  the drafter's γ drafts (`drafters.propose` on the slot state, as the round ends);
   verify   the target's packed forward over the γ+1 tokens (`models.packed.packed_forward`,
-           the round's own token and cache buckets);
+           the round's own token and cache buckets), per forward of `FORWARD_LOOP` run in one
+           device loop that writes the cache in place as a round does (a call per forward
+           copied the whole undonated cache: 1-token forwards read ~3 plain steps);
   commit   `device.packed_round` minus those two and its dispatch (packing, acceptance, residual
            draw, cache and drafter-context update);
   host     `ServingEngine.step()` minus the device round's compute (scheduler, dispatch,
@@ -48,6 +50,7 @@ from dspark_jax.testing import CompileCounter
 from dspark_jax.xla_cpu import engine_compiler_options
 
 VERIFY_TOKENS = (1, 2, 4, 8, 16)
+FORWARD_LOOP = 16  # verify forwards per timed call (the time reported is per forward)
 
 
 @jax.jit
@@ -73,14 +76,22 @@ def _propose_jit():  # compiled as the engine's programs are (xla_cpu.engine_com
 
 
 def _forward(tcfg, cache_len, one_set, fused, tparams, state, drafts):
-    """The round's packed verify forward over one slot's anchor + drafts ([T] tokens), in the
-    engine's form (`ServingEngine.verify_form`)."""
+    """`FORWARD_LOOP` of the round's packed verify forwards over one slot's anchor + drafts ([T]
+    tokens), in the engine's form (`ServingEngine.verify_form`), in one device loop that carries
+    the cache as a round does (written in place; a call per forward would copy the whole
+    undonated cache, more than a 1-token forward costs)."""
     t = drafts.shape[0] + 1
     toks = jnp.concatenate([state.anchor[:1], drafts])
     pos = state.cache.lengths[0] + jnp.arange(t, dtype=jnp.int32)
     zeros, off = jnp.zeros((t,), jnp.int32), jnp.arange(t, dtype=jnp.int32)
-    return packed_forward(tcfg, tparams, toks, zeros, off, pos, off >= 0, state.cache, cache_len,
-                          one_set=one_set, fused=fused)  # fmt: skip
+
+    def body(_, carry):
+        cache, acc = carry
+        out, cache = packed_forward(tcfg, tparams, toks, zeros, off, pos, off >= 0, cache,
+                                    cache_len, one_set=one_set, fused=fused)  # fmt: skip
+        return cache, acc + out.logits[0, -1, 0] + out.features[0, -1, 0]
+
+    return jax.lax.fori_loop(0, FORWARD_LOOP, body, (state.cache, jnp.float32(0)))[1]
 
 
 @functools.cache
@@ -255,7 +266,7 @@ def round_breakdown(
             drafts = jnp.zeros((t - 1,), jnp.int32) + slot.snapshot.anchor[0]
             timers[f"fwd_{t}"] = lambda drafts=drafts: _ms(lambda: jax.block_until_ready(
                 _forward_jit()(slot.eng.tcfg, s_len, *slot.eng.verify_form,
-                             slot.eng.program_params[0], slot.snapshot, drafts)))  # fmt: skip
+                             slot.eng.program_params[0], slot.snapshot, drafts))) / FORWARD_LOOP  # fmt: skip
     for fn in timers.values():  # compile and warm every program
         fn()
         fn()
@@ -283,7 +294,7 @@ def round_breakdown(
         g = dcfg.block_size
         # separately called components pay one dispatch each; the round program pays one
         d = med[f"dispatch_{kind}"]
-        p, f = med[f"propose_{kind}"] - d, med[f"fwd_{g + 1}"] - d
+        p, f = med[f"propose_{kind}"] - d, med[f"fwd_{g + 1}"]  # fwd: per forward of a loop
         dev_round, r = med[f"round_{kind}"], med[f"step_{kind}"]
         commit = dev_round - d - p - f
         host = r - p - f - commit
@@ -474,6 +485,7 @@ def markdown_speed(bd: dict | None, measured: dict | None) -> list[str]:
             "of a production round)."
         )
     lines.append("")
-    lines.append("Verify forward cost in plain-decode steps by tokens T: " + ", ".join(
+    lines.append("Verify forward cost in plain-decode steps by tokens T (per forward, "
+                 f"{FORWARD_LOOP} in one device loop): " + ", ".join(
         f"T={t}: {v:.2f}" for t, v in bd["verify_forward_in_steps"].items()))  # fmt: skip
     return lines
