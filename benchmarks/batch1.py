@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import platform
 import sys
 import time
 
+import jax
 import numpy as np
 
 from dspark_jax import xla_cpu
@@ -91,7 +93,8 @@ class Batch1:
     def plain(self, cfg=None, params=None):
         """Plain `generate()` at batch 1 (the run's target unless given)."""
         e, stop = self.eval_cfg, self.pipeline.stop_ids()
-        cfg, params = cfg or self.tcfg, params or self.tparams
+        cfg = self.tcfg if cfg is None else cfg
+        params = self.tparams if params is None else params
         sampling = None if e.temperature == 0 else {"temperature": e.temperature}
 
         def f(q, seed):
@@ -126,6 +129,23 @@ class Batch1:
                     toks, rounds = fn(q, seed)
                     acc[name][k] += (len(toks), time.perf_counter() - t0, rounds)
         return acc, same
+
+
+def summary(acc: dict, plain: str = "plain", spec: str = "spec") -> dict:
+    """The keys every batch-1 benchmark prints: `<variant>_ms_per_token`, `speedup` (plain /
+    spec ms per token), `speedup_pass_min` / `_max` (the passes' own ratios), `round_ms` and
+    `tokens_per_round` (spec), `prompts` (per pass), `passes`, `platform`."""
+    ms, per_pass, tot = ms_per_token(acc), pass_ratios(acc, plain, spec), acc[spec].sum(0)
+    return {
+        **{f"{k}_ms_per_token": round(v, 4) for k, v in ms.items()},
+        "speedup": round(ms[plain] / ms[spec], 4),
+        "speedup_pass_min": round(min(per_pass), 4),
+        "speedup_pass_max": round(max(per_pass), 4),
+        "round_ms": round(round_ms(acc, spec), 3),
+        "tokens_per_round": round(tot[0] / tot[2], 3),
+        "passes": acc[spec].shape[0],
+        "platform": f"{platform.machine()} {jax.default_backend()} x{os.cpu_count()}",
+    }
 
 
 def ms_per_token(acc: dict) -> dict:

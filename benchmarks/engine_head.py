@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 from unittest import mock
 
@@ -42,7 +41,7 @@ if __name__ == "__main__":
 
 import jax  # noqa: E402
 
-from benchmarks.batch1 import Batch1, fail, ms_per_token, parser, pass_ratios, round_ms  # noqa: E402
+from benchmarks.batch1 import Batch1, fail, ms_per_token, parser, round_ms, summary  # noqa: E402
 from dspark_jax.engine import serving  # noqa: E402
 from dspark_jax.models import transformer as tf  # noqa: E402
 
@@ -81,24 +80,15 @@ def main() -> None:
     }
     acc, same = b.run(variants, compare=("spec", "spec_tied", "spec_fused", "spec_before"))
     ms = ms_per_token(acc)
-    per_pass = pass_ratios(acc, "plain", "spec")
-    tot = {k: v.sum(0) for k, v in acc.items()}
     res = {
-        **{f"{k}_ms_per_token": round(v, 4) for k, v in ms.items()},
-        "speedup": round(ms["plain"] / ms["spec"], 4),
+        **summary(acc),
         "speedup_before": round(ms["plain"] / ms["spec_before"], 4),
-        "speedup_pass_min": round(min(per_pass), 4),
-        "speedup_pass_max": round(max(per_pass), 4),
         "head_gain": round(ms["spec_tied"] / ms["spec"], 4),
         "unfused_gain": round(ms["spec_fused"] / ms["spec"], 4),
         "plain_untied_ratio": round(ms["plain_untied"] / ms["plain"], 4),
-        "round_ms": round(round_ms(acc, "spec"), 3),
         "round_before_ms": round(round_ms(acc, "spec_before"), 3),
-        "tokens_per_round": round(tot["spec"][0] / tot["spec"][2], 3),
         "same_tokens": bool(same),
         "prompts": len(b.prompts),
-        "passes": args.passes,
-        "platform": f"{platform.machine()} {jax.default_backend()} x{os.cpu_count()}",
     }
     print(json.dumps(res))
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ if __name__ == "__main__":
 
 import jax  # noqa: E402
 
-from benchmarks.batch1 import Batch1, fail, ms_per_token, parser, pass_ratios, round_ms  # noqa: E402
+from benchmarks.batch1 import Batch1, fail, ms_per_token, parser, round_ms, summary  # noqa: E402
 from dspark_jax import xla_cpu  # noqa: E402
 from dspark_jax.engine import serving  # noqa: E402
 from dspark_jax.models import decoding  # noqa: E402
@@ -82,8 +81,6 @@ def main() -> None:
                 "spec_default": b.spec(spec_default_eng)}  # fmt: skip
     acc, _ = b.run(variants)
     ms = ms_per_token(acc)
-    per_pass = pass_ratios(acc, "plain", "spec")
-    tot = {k: v.sum(0) for k, v in acc.items()}
 
     # 8 slots: the evaluate stage's decoder, host-scheduled rounds
     dec8 = eval_decoder(p, "dspark", b.longest)
@@ -105,23 +102,16 @@ def main() -> None:
         t8["default"].append(batches(dec8_default))
     s8, s8d = statistics.median(t8["option"]), statistics.median(t8["default"])
     res = {
-        **{f"{k}_ms_per_token": round(v, 4) for k, v in ms.items()},
-        "speedup": round(ms["plain"] / ms["spec"], 4),
+        **summary(acc),
         "speedup_before": round(ms["plain_one"] / ms["spec_default"], 4),
-        "speedup_pass_min": round(min(per_pass), 4),
-        "speedup_pass_max": round(max(per_pass), 4),
         "engine_option_gain": round(ms["spec_default"] / ms["spec"], 4),
         "prefill_split_gain": round(ms["plain_one"] / ms["plain"], 4),
-        "round_ms": round(round_ms(acc, "spec"), 3),
         "round_default_ms": round(round_ms(acc, "spec_default"), 3),
-        "tokens_per_round": round(tot["spec"][0] / tot["spec"][2], 3),
         "slots": nb,
         "slots8_s": round(s8, 3),
         "slots8_default_s": round(s8d, 3),
         "slots8_gain": round(s8d / s8, 4),
         "prompts": len(prompts),
-        "passes": args.passes,
-        "platform": f"{platform.machine()} {jax.default_backend()} x{os.cpu_count()}",
     }
     print(json.dumps(res))
 

@@ -51,7 +51,8 @@ products of a plain decode step. On the demo's models in one process (benchmarks
 12 held-out prompts from the three evaluation sets, T = 1, the chat's stop ids, prefill
 included, 5 interleaved passes; three runs): DSpark's batch-1 speculative decoding (8
 device-resident rounds per call) 1.14 / 1.17 / 1.17x faster per token with the option than with
-XLA's default, the 8-slot evaluation decoder 1.07 / 0.97 / 1.13x; plain decoding with no
+XLA's default (1.06x once the engine ran a tied LM head untied, s20: part of the gain was that
+head's transposed read), the 8-slot evaluation decoder 1.07 / 0.97 / 1.13x; plain decoding with no
 YNNPACK at all lost (1.43 -> 1.77 ms per token in one process), so its decode loop keeps the option
 above and only its prefill, a separate program at batch 1, is compiled without.
 """

@@ -161,9 +161,8 @@ class ServingEngine(EngineDriving, EngineCommit):
         # (4.46-4.50 vs 4.04 ms, benchmarks/engine_head.py).
         tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
         single = len(self.token_buckets) * len(self.cache_buckets) == 1 and tensor == 1
-        fused = False
-        self.verify_form = (single, fused)  # (one_set, fused)
-        self.round_fn, self.rounds_fn = _round_programs(single, fused)
+        self.verify_form = (single, False)  # (one_set, fused)
+        self.round_fn, self.rounds_fn = _round_programs(*self.verify_form)
         self.scheduler = Scheduler(
             policy,
             g,
