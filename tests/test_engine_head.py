@@ -90,3 +90,28 @@ def test_an_untied_target_is_left_as_it_is():
     dcfg = tiny_drafter_config("dspark", tcfg, block_size=G)
     eng = ServingEngine(tcfg, dcfg, tp, drafters.init_params(dcfg, seed=1, target_params=tp), **KW)
     assert eng.tcfg is tcfg and eng.tparams is tp
+
+
+def test_the_engine_reads_the_targets_tables_for_the_drafters_frozen_copies():
+    tcfg, tp, dcfg, dp = _tied()
+    eng = ServingEngine(tcfg, dcfg, tp, dp, **KW)
+    # the drafter's frozen copies are the target's arrays (the untied head's copy included)
+    assert eng.dparams.frozen["lm_head"][...] is eng.tparams["lm_head"]["kernel"][...]
+    assert eng.dparams.frozen["embed_tokens"][...] is eng.tparams["embed_tokens"][...]
+    leaves = eng.program_params[1].leaves
+    assert any(x is eng.tparams["lm_head"]["kernel"][...] for x in leaves)
+    # a drafter head that differs from the target's is kept; the trainable leaves are untouched
+    other = dp.frozen["lm_head"][...].at[0, 0].add(1.0)
+    frozen = jax.tree.map(lambda x: x, dp.frozen)
+    frozen["lm_head"] = frozen["lm_head"].replace(other)
+    dp2 = dp._replace(frozen=frozen)
+    eng2 = ServingEngine(tcfg, dcfg, tp, dp2, **KW)
+    assert eng2.dparams.frozen["lm_head"][...] is other
+    assert eng2.dparams.frozen["embed_tokens"][...] is eng2.tparams["embed_tokens"][...]
+    assert eng2.dparams.trainable is dp2.trainable
+    # shared or not, the engine emits what plain decoding of the target emits
+    p = PROMPTS[1]
+    assert (
+        eng.generate([p], max_new_tokens=16, temperature=0.0)[0].tokens
+        == generate(tcfg, tp, [p], max_new_tokens=16)[0]
+    )

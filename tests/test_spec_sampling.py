@@ -178,3 +178,37 @@ def test_noise_made_ahead_draws_what_categorical_draws():
     np.testing.assert_array_equal(ahead, one_by_one)
     rows = S.sample_from_logits(keys.reshape(-1), logits.reshape(-1, 50))
     np.testing.assert_array_equal(np.asarray(rows).reshape(3, 4), ahead)
+
+
+@pytest.mark.parametrize("filters", [True, False])
+def test_one_reduction_draw_and_its_probs_equal_the_transforms(filters):
+    """`sample_transformed` (greedy rows: the argmax, no point mass built) draws the token that
+    Gumbel-max over `transform_logits` draws, for every noise draw, and `probs_of_draws` of those
+    tokens is `probs_from_logits` exactly: sampled rows, greedy rows (ties: the first index)."""
+    logits, t, k, p, m = _cases()
+    t = t.copy()
+    t[[3, 4, 9]] = 0.0  # greedy rows with ties (3: rounded logits, 4: a three-way tie at the top)
+    if not filters:
+        k, p, m = 0 * k, np.ones_like(p), 0 * m
+    params = S.validate_sampling_params(t, k, p, m)
+    cfg = S.SamplingConfig.for_params(params)
+    x = jnp.asarray(logits, jnp.float32)
+    keys = jax.random.split(jax.random.key(11), 64 * x.shape[0]).reshape(64, -1)
+    noise = S.gumbel_noise(keys, x.shape[-1])  # [64, B, V]
+    want = S.sample_with_noise(noise, S.transform_logits(x, params, cfg)[None])
+    got = jax.vmap(lambda n: S.sample_transformed(n, x, params, cfg))(noise)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.all(np.asarray(got)[:, 4] == 0)  # the first of the tied maxima
+    assert len(set(np.asarray(got)[:, 0].tolist())) > 1  # a sampled row varies with the noise
+    for toks in np.asarray(got)[:4]:
+        np.testing.assert_array_equal(
+            np.asarray(S.probs_of_draws(x, jnp.asarray(toks), params, cfg)),
+            np.asarray(S.probs_from_logits(x, params, cfg)),
+        )
+    greedy = S.SamplingConfig(greedy=True)
+    top = S.sample_transformed(None, x, None, greedy)
+    np.testing.assert_array_equal(np.asarray(top), np.argmax(logits.astype(np.float32), -1))
+    np.testing.assert_array_equal(
+        np.asarray(S.probs_of_draws(x, top, None, greedy)),
+        np.asarray(S.probs_from_logits(x, None, greedy)),
+    )

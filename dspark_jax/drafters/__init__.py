@@ -51,6 +51,7 @@ from dspark_jax.drafters.api import (
     init_params,
     prefill_context,
     propose,
+    share_target_tables,
 )
 from dspark_jax.drafters.common import (
     DrafterParams,
@@ -70,4 +71,5 @@ __all__ = [
     "init_params",
     "prefill_context",
     "propose",
+    "share_target_tables",
 ]

@@ -78,6 +78,27 @@ def frozen_from_target(cfg: DrafterConfig, target_params: nnx.State) -> nnx.Stat
     return frozen
 
 
+def share_target_tables(params: DrafterParams, target_params: nnx.State) -> DrafterParams:
+    """`params` with its frozen embedding / LM head replaced by the target's own arrays where
+    they are bitwise equal (the target's embedding, and its LM head kernel when it has one:
+    untied, or `transformer.untie_lm_head`'s copy). The values are unchanged; a program given
+    both param trees then reads one buffer per table, so the drafter's LM head product after the
+    verify forward finds the target's head in cache (benchmarks/engine_head.py), and the tables
+    are held once. Other leaves, and tables that differ (a drafter of another dtype or
+    vocabulary), are kept as they are."""
+    tables = [target_params["embed_tokens"][...]]
+    if "lm_head" in target_params:
+        tables.append(target_params["lm_head"]["kernel"][...])
+
+    def shared(x):
+        for t in tables:
+            if t.shape == x.shape and t.dtype == x.dtype and bool(jnp.array_equal(t, x)):
+                return t
+        return x
+
+    return params._replace(frozen=jax.tree.map(shared, params.frozen))
+
+
 def build(cfg: DrafterConfig, params: DrafterParams):
     """The NNX module for `params` (inside jit: a pure merge)."""
     return nnx.merge(graphdef(cfg), params.trainable, params.frozen)

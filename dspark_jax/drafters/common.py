@@ -55,15 +55,19 @@ def draft_keys(
     return spec_rng.position_keys(key, spec_rng.DRAFT, seeds_B, positions_BxG)
 
 
-def sampling_probs(logits_BxV: jax.Array, sampling, scfg) -> jax.Array:
+def sampling_probs(logits_BxV: jax.Array, sampling, scfg, drawn=None) -> jax.Array:
     """The exact fp32 distribution a draft token is drawn from: the same transform as the
     target's (`spec.sampling.probs_from_logits`; `scfg.greedy` gives the one-hot argmax).
-    `sampling=None` outside greedy mode means plain softmax (temperature 1)."""
+    `sampling=None` outside greedy mode means plain softmax (temperature 1). `drawn`: the tokens
+    `draw_tokens` drew from these logits, whose one-hots are the greedy rows' point masses
+    (`spec.sampling.probs_of_draws`: no second argmax); not for forced tokens."""
     logits = logits_BxV.astype(jnp.float32)
     if scfg is None:
         scfg = spec_sampling.SamplingConfig()
     if sampling is None and not scfg.greedy:
         return jax.nn.softmax(logits, axis=-1)
+    if drawn is not None:
+        return spec_sampling.probs_of_draws(logits, drawn, sampling, scfg)
     return spec_sampling.probs_from_logits(logits, sampling, scfg)
 
 
@@ -81,11 +85,13 @@ def draw_tokens(noise_BxV: jax.Array | None, logits_BxV: jax.Array, sampling, sc
     """One token per row from `sampling_probs(logits_BxV, sampling, scfg)` with this slot's
     `draft_noise`: the Gumbel-max draw `argmax(noise + z)` over the sampling transform's logits z
     (softmax(z) is that distribution exactly), so a sequential loop needs no softmax per slot and
-    the recorded probabilities can be computed after it for all slots at once (greedy: the
-    argmax, first index on ties, as `sampling_probs`' one-hot)."""
+    the recorded probabilities can be computed after it for all slots at once (greedy rows and
+    mode: the argmax, first index on ties, as `sampling_probs`' one-hot;
+    `spec.sampling.sample_transformed`)."""
     x = logits_BxV.astype(jnp.float32)
     if scfg is not None and scfg.greedy:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
     if sampling is not None:
-        x = spec_sampling.transform_logits(x, sampling, scfg or spec_sampling.SamplingConfig())
+        cfg = scfg or spec_sampling.SamplingConfig()
+        return spec_sampling.sample_transformed(noise_BxV, x, sampling, cfg)
     return spec_sampling.sample_with_noise(noise_BxV, x)

@@ -236,7 +236,9 @@ def propose_block(
 
     xs = (jnp.moveaxis(z, 1, 0), jnp.moveaxis(base, 1, 0), noise, forced.T)
     _, (toks, logits, e) = jax.lax.scan(body, (anchor_B.astype(jnp.int32), state0), xs)
-    probs = sampling_probs(jnp.moveaxis(logits, 0, 1), sampling, scfg)  # [B, γ, V]
+    toks = jnp.moveaxis(toks, 0, 1)  # [B, γ]
+    drawn = toks if forced_BxG is None else None  # forced tokens are not the greedy argmax
+    probs = sampling_probs(jnp.moveaxis(logits, 0, 1), sampling, scfg, drawn)  # [B, γ, V]
     e = jnp.moveaxis(e, 0, 1) if head is not None else None
     conf_logits = conf_head(z, e) if conf_head is not None else None
-    return Proposal(jnp.moveaxis(toks, 0, 1), probs, conf_logits)
+    return Proposal(toks, probs, conf_logits)

@@ -236,5 +236,6 @@ def propose_eagle3(
     _, (toks, logits) = jax.lax.scan(body, (ctx.g, tok0, buf_k, buf_v), xs)
     tokens = jnp.concatenate([tok0[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
     logits = jnp.concatenate([l0[:, None], jnp.moveaxis(logits, 0, 1)], axis=1)  # [B, γ, V]
-    probs = sampling_probs(logits, sampling, scfg)
+    drawn = tokens if forced_BxG is None else None  # forced tokens are not the greedy argmax
+    probs = sampling_probs(logits, sampling, scfg, drawn)
     return Proposal(tokens, probs, None)

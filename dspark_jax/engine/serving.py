@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from dspark_jax.buckets import ENGINE_PROMPT_BUCKETS, bucket_up
+from dspark_jax.drafters.api import share_target_tables
 from dspark_jax.drafters.compat import check_fits
 from dspark_jax.engine import device as dev
 from dspark_jax.engine import rounds as rounds_lib
@@ -141,6 +142,8 @@ class ServingEngine(EngineDriving, EngineCommit):
             raise ConfigError(f"modes must be a non-empty subset of {MODES}: {modes}")
         if untie_applies(tcfg, tparams):  # the same logits, a faster head product on CPU
             tcfg, tparams = untie_lm_head(tcfg, tparams)
+        # the drafter's frozen tables as the target's own arrays where equal: one buffer per table
+        dparams = share_target_tables(dparams, tparams)
         # the target as the engine's programs run it (tcfg / tparams: possibly the untied form)
         self.tcfg, self.dcfg, self.tparams, self.dparams = tcfg, dcfg, tparams, dparams
         self.gamma = g = dcfg.block_size

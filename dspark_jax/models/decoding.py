@@ -29,8 +29,8 @@ from dspark_jax.models import transformer as tf
 from dspark_jax.spec.sampling import (
     SamplingConfig,
     SamplingParams,
-    sample_from_logits,
-    transform_logits,
+    gumbel_noise,
+    sample_transformed,
 )
 
 
@@ -110,8 +110,9 @@ def sample_tokens(
     """
     if scfg.greedy:
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    z_BxV = transform_logits(logits_BxV, sampling, scfg)
-    return sample_from_logits(token_keys(key, seeds_B, positions_B), z_BxV)
+    keys = token_keys(key, seeds_B, positions_B)
+    # sample_from_logits(keys, transform_logits(...))'s token, one vocabulary reduction per row
+    return sample_transformed(gumbel_noise(keys, logits_BxV.shape[-1]), logits_BxV, sampling, scfg)
 
 
 class DecodeState(NamedTuple):

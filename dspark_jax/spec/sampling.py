@@ -47,6 +47,8 @@ __all__ = [
     "sample_from_logits",
     "gumbel_noise",
     "sample_with_noise",
+    "sample_transformed",
+    "probs_of_draws",
 ]
 
 
@@ -271,6 +273,15 @@ def transform_logits(
     x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # [B, ..., V]
     if cfg.greedy:
         return _point_mass_logits(x)
+    z, greedy_row = _filtered(x, params, cfg)
+    return jnp.where(greedy_row, _point_mass_logits(x), z)
+
+
+def _filtered(x: jax.Array, params: SamplingParams, cfg: SamplingConfig):
+    """The sampled mode's transform before greedy rows become point masses: ``(z, greedy_row)``,
+    z ``[B, ..., V]`` the scaled logits (greedy rows unscaled) with removed tokens at ``-inf``,
+    greedy_row ``[B, 1.., 1]``. Every stage keeps a row's largest logits (ties included), so a
+    greedy row's argmax of z is the argmax of x."""
     vocab = x.shape[-1]
     temperature = _rows(params.temperature.astype(x.dtype), x.ndim)  # [B, 1.., 1]
     greedy_row = temperature == 0
@@ -297,8 +308,35 @@ def transform_logits(
         z_max = jnp.max(z, axis=-1, keepdims=True)
         # p >= min_p * p_max  <=>  z >= z_max + log(min_p); log(0) = -inf keeps everything.
         keep = keep & (z >= z_max + jnp.log(min_p))
-    out = jnp.where(keep, z, -jnp.inf)
-    return jnp.where(greedy_row, _point_mass_logits(x), out)
+    return jnp.where(keep, z, -jnp.inf), greedy_row
+
+
+def sample_transformed(
+    noise: jax.Array, logits: jax.Array, params: SamplingParams | None, cfg: SamplingConfig
+) -> jax.Array:
+    """``sample_with_noise(noise, transform_logits(logits, params, cfg))`` [...] int32, the
+    same token, with one reduction over the vocabulary instead of two: a greedy row takes the
+    argmax of its filtered logits (the point mass's token) without building the point mass.
+    ``noise`` from :func:`gumbel_noise` (unused, may be None, in greedy mode)."""
+    x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    if cfg.greedy:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    z, greedy_row = _filtered(x, params, cfg)
+    return sample_with_noise(jnp.where(greedy_row, 0.0, noise), z)
+
+
+def probs_of_draws(
+    logits: jax.Array, tokens: jax.Array, params: SamplingParams | None, cfg: SamplingConfig
+) -> jax.Array:
+    """``probs_from_logits(logits, params, cfg)`` for logits whose ``tokens`` [...] were drawn
+    by :func:`sample_transformed`: a greedy row's point mass is the one-hot of its token (the
+    argmax), so no second argmax is taken. Not for tokens drawn otherwise (forced tokens)."""
+    x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    one_hot = jax.nn.one_hot(tokens, x.shape[-1], dtype=x.dtype)
+    if cfg.greedy:
+        return one_hot
+    z, greedy_row = _filtered(x, params, cfg)
+    return jnp.where(greedy_row, one_hot, jax.nn.softmax(z, axis=-1))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
