@@ -44,7 +44,10 @@ CANDIDATES = {
     "12x192": (12, 192, 384, 3, 1),
     "16x160": (16, 160, 320, 2, 1),
     "12x256": (12, 256, 512, 4, 2),
+    "24x128": (24, 128, 256, 2, 1),
+    "32x112": (32, 112, 224, 2, 1),
 }
+DEFAULT_TARGETS = ("6x256", "12x192", "16x160", "12x256")  # 24x128, 32x112: --targets (s21)
 
 
 def target_config(name: str) -> TargetConfig:
@@ -115,7 +118,7 @@ def measure_target(name: str, args) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--targets", default=",".join(CANDIDATES))
+    ap.add_argument("--targets", default=",".join(DEFAULT_TARGETS))
     ap.add_argument("--dspark-layers", default="1,2,3")
     ap.add_argument("--gamma", type=int, default=7)
     ap.add_argument("--prompt-len", type=int, default=128)

@@ -14,14 +14,16 @@ Batch 1, the evaluate stage's speed protocol (`benchmarks/batch1.py`, as engine_
     spec_fused    untied head, fused products (`models.packed`'s `fused`, the kernels
                   concatenated once per call)
     spec_before   tied head and fused products: the engine before this change
+    spec_unshared as shipped, but the drafter reads its own copies of the target's embedding and
+                  LM head (`drafters.share_target_tables` off)
 
-The four engines' tokens are compared on the warm-up pass.
+The five engines' tokens are compared on the warm-up pass.
 
 Prints ONE JSON object: `<variant>_ms_per_token` (wall time over tokens emitted, all passes),
 `speedup` = plain / spec, `speedup_before` = plain / spec_before, `speedup_pass_min` / `_max`
 (the passes' own ratios, as shipped), `head_gain` = spec_tied / spec, `unfused_gain` =
-spec_fused / spec, `plain_untied_ratio` = plain_untied / plain ms per token, `round_ms` /
-`round_before_ms` (wall time per round), `tokens_per_round`, `same_tokens` (the four engines
+spec_fused / spec, `share_gain` = spec_unshared / spec, `plain_untied_ratio` = plain_untied / plain ms per token, `round_ms` /
+`round_before_ms` (wall time per round), `tokens_per_round`, `same_tokens` (the five engines
 emitted the same tokens on every warm-up prompt), `prompts`, `passes`, `platform`.
 """
 
@@ -69,6 +71,8 @@ def main() -> None:
     spec_eng, fused_eng = b.speed_decoder(), _fused(b.speed_decoder())
     with mock.patch.object(serving, "untie_applies", lambda *a: False):
         tied_eng, before_eng = b.speed_decoder(), _fused(b.speed_decoder())
+    with mock.patch.object(serving, "share_target_tables", lambda dparams, tparams: dparams):
+        unshared_eng = b.speed_decoder()
     assert not spec_eng.tcfg.tie_word_embeddings and tied_eng.tcfg.tie_word_embeddings
     variants = {
         "plain": b.plain(),
@@ -77,14 +81,17 @@ def main() -> None:
         "spec_tied": b.spec(tied_eng),
         "spec_fused": b.spec(fused_eng),
         "spec_before": b.spec(before_eng),
+        "spec_unshared": b.spec(unshared_eng),
     }
-    acc, same = b.run(variants, compare=("spec", "spec_tied", "spec_fused", "spec_before"))
+    engines = ("spec", "spec_tied", "spec_fused", "spec_before", "spec_unshared")
+    acc, same = b.run(variants, compare=engines)
     ms = ms_per_token(acc)
     res = {
         **summary(acc),
         "speedup_before": round(ms["plain"] / ms["spec_before"], 4),
         "head_gain": round(ms["spec_tied"] / ms["spec"], 4),
         "unfused_gain": round(ms["spec_fused"] / ms["spec"], 4),
+        "share_gain": round(ms["spec_unshared"] / ms["spec"], 4),
         "plain_untied_ratio": round(ms["plain_untied"] / ms["plain"], 4),
         "round_before_ms": round(round_ms(acc, "spec_before"), 3),
         "same_tokens": bool(same),
