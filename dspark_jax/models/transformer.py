@@ -206,7 +206,7 @@ def untie_lm_head(cfg: TargetConfig, params: nnx.State) -> tuple[TargetConfig, n
     untied = dataclasses.replace(cfg, tie_word_embeddings=False)
     out = nnx.split(nnx.eval_shape(lambda: Transformer(untied, rngs=nnx.Rngs(0))))[1]
     pure = params.to_pure_dict()
-    pure["lm_head"] = {"kernel": jnp.transpose(pure["embed_tokens"]).copy()}
+    pure["lm_head"] = {"kernel": jnp.transpose(pure["embed_tokens"])}  # a new [H, V] buffer
     nnx.replace_by_pure_dict(out, pure)
     return untied, out
 
