@@ -7,10 +7,12 @@ repetition in a shuffled order (interleaved), medians reported. For each candida
   tokens, so prefill and dispatch are excluded);
 * `verify_ms[T]`: one blocked target forward of T tokens against a filled KV cache (T = γ+1 is
   the verify forward; `--verify-sweep` adds T = 1..16);
-* per drafter (DSpark with 1/2/3 backbone layers, Eagle3): `propose_ms` (γ drafts, sampled) and
-  `round_ms` (one `ServingEngine.step()` of a 1-slot engine at fixed γ: scheduler, packed
-  round, read-back, host commit; `eval.speed.round_breakdown`);
-* derived: `draft_share_of_verify` = propose / verify(γ+1), `round_in_steps` = round / step,
+* per drafter (DSpark with 1/2/3 backbone layers, Eagle3): `draft_ms` (its context update and
+  γ drafts, sampled, inside the verify loop as a round runs them; `propose_call_ms` the proposal
+  as a program of its own, what results before s22 call `propose_ms`) and `round_ms` (one
+  `ServingEngine.step()` of a 1-slot engine at fixed γ: scheduler, packed round, read-back,
+  host commit; `eval.speed.round_breakdown`);
+* derived: `draft_share_of_verify` = drafting / verify(γ+1), `round_in_steps` = round / step,
   and `ideal_speedup` = τ · step / round at the plausible τ given by `--tau`.
 
     python benchmarks/demo_proportions.py [--reps 9] [--tau 3.3] [--out FILE]
@@ -103,9 +105,10 @@ def measure_target(name: str, args) -> dict:
         "drafters": {},
     }  # fmt: skip
     for label, row in bd["drafters"].items():
-        p, r = row["propose_ms"], row["round_ms"]
+        p, r = row["draft_ms"], row["round_ms"]
         out["drafters"][label] = {
-            "propose_ms": p,
+            "draft_ms": p,
+            "propose_call_ms": row["propose_call_ms"],
             "round_ms": r,
             "host_ms": row["host_ms"],
             "draft_share_of_verify": p / verify,

@@ -25,8 +25,9 @@ def test_breakdown_and_measured_speedup_time_only_compiled_code():
     assert bd["compilations_during_timing"] == 0
     assert set(bd["verify_forward_ms"]) == {1, 4, 5}  # γ+1 = 5 always included
     for row in bd["drafters"].values():
-        parts = row["propose_ms"] + row["verify_forward_ms"] + row["commit_ms"] + row["host_ms"]
+        parts = row["draft_ms"] + row["verify_forward_ms"] + row["commit_ms"] + row["host_ms"]
         assert abs(parts - row["round_ms"]) < 1e-9 and row["round_ms"] > 0
+        assert row["draft_ms"] >= 0 and "propose_call_ms" in row
         assert row["device_round_ms"] > 0  # (vs round_ms it is a timing, not a test: benchmarks)
     assert "sequential_head_share_of_round" in bd
     # device-resident: the first drafter, every timed step ran its K rounds on the device
@@ -52,3 +53,48 @@ def test_breakdown_and_measured_speedup_time_only_compiled_code():
     md = "\n".join(speed.markdown_speed(bd, m))
     assert "ideal speedup" in md and "compilations during timing: 0" in md
     assert "Device-resident rounds (dspark, 3 rounds per host call, 6 rounds timed)" in md
+
+
+def test_the_drafting_timer_runs_a_rounds_drafter_work_after_each_forward():
+    """The drafting column is the verify loop with the drafter's context update and proposal
+    after each forward, less the same loop without: the drafter's work is inside the loop's
+    body (nothing hoisted out of it: every proposal reads the context the forward just wrote,
+    and its drafts are the next forward's tokens), and it changes what the loop computes."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dspark_jax.engine import RequestParams
+
+    tcfg = tiny_target_config()
+    tp = init_params(tcfg, 0)
+    dcfg = tiny_drafter_config("dspark", target=tcfg, num_layers=1)
+    dp = dr.init_params(dcfg, target_params=tp)
+    eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=1, policy="fixed", max_len=96,
+                        prompt_buckets=(20,), token_buckets=(dcfg.block_size + 1,))  # fmt: skip
+    params = RequestParams(40, temperature=1.0, seed=0)
+    eng.submit(list(range(5, 25)), params)
+    eng.step()
+    scfg, sp = eng._scfg("sampled"), eng._sp_rows([params], "sampled")
+    drafts = jnp.zeros((dcfg.block_size,), jnp.int32) + eng.state.anchor[0]
+    seeds = np.zeros(1, np.uint32)
+
+    def args(d):
+        return (eng.tcfg, eng.max_len, *eng.verify_form, dcfg if d else None,
+                scfg if d else None, eng.program_params[0].tree(),
+                eng.program_params[1].tree() if d else None, eng.state, drafts,
+                eng.key if d else None, seeds if d else None, sp if d else None)  # fmt: skip
+
+    def loop_body_eqns(d):
+        jaxpr = jax.make_jaxpr(speed._forward, static_argnums=(0, 1, 2, 3, 4, 5))(*args(d))
+        loops = [e for e in jaxpr.eqns if e.primitive.name in ("while", "scan")]
+        assert len(loops) == 1, "one device loop"
+        return str(loops[0])
+
+    plain, drafting = loop_body_eqns(False), loop_body_eqns(True)
+    # the proposal's draw (an argmax over the vocabulary per draft slot, in its own scan) is
+    # inside the timed loop's body, and only with the drafter
+    assert "argmax" in drafting and "argmax" not in plain
+    with_d = speed._forward(*args(True))
+    without = speed._forward(*args(False))
+    assert np.isfinite(float(with_d)) and float(with_d) != float(without)
