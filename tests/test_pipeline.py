@@ -46,7 +46,7 @@ def _check_report(run_dir: Path, kinds=("dspark", "dflash", "eagle3")):
         assert "dspark_vs_dflash" in rep["relative_macro_gain"]
     assert rep["calibration"] is not None and len(rep["calibration"]["per_position"]) >= 1
     assert rep["speed_batch1"]["speedup"] > 0
-    assert rep["speed_batch1"]["slots"] == 1 and rep["speed_batch1"]["rounds_per_call"] == 8
+    assert rep["speed_batch1"]["slots"] == 1 and rep["speed_batch1"]["rounds_per_call"] == 16
     assert (run_dir / "evaluate" / "report.md").read_text().startswith("# dspark-jax evaluation")
     assert (run_dir / "evaluate" / "tau.png").stat().st_size > 1000
     return rep

@@ -286,7 +286,9 @@ def round_breakdown(
         if first is None:  # the forward sweep on the first engine's slot state
             first = (slot, s_len)
             k = resident_rounds
-            r_len = min(margin + 3 * k * (g + 1), tcfg.max_position_embeddings)
+            # room for the admission's K rounds and one timed call of K more: the cache
+            # stays near the other engines' length whatever K is
+            r_len = min(margin + 2 * k * (g + 1), tcfg.max_position_embeddings)
             if k > 1 and (r_len - margin) // (g + 1) >= 2 * k:  # room for admission + K rounds
                 reng = ServingEngine(
                     tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed", max_len=r_len,
