@@ -467,6 +467,14 @@ def _pass_range(measured: dict) -> str:
     return f" (the passes' own ratios {min(per):.2f}–{max(per):.2f}×)"
 
 
+def _of_verify(bd: dict, kind: str) -> str:
+    row = bd["drafters"].get(kind, {})
+    if "draft_share_of_verify" not in row:
+        return ""
+    return (f" and {row['draft_share_of_verify'] * 100:.0f}% of the verify forward over its "
+            f"{row['gamma'] + 1} tokens")  # fmt: skip
+
+
 def markdown_speed(bd: dict | None, measured: dict | None) -> list[str]:
     lines = ["", "## Speed at batch 1 (compiled code only)", ""]
     if measured:
@@ -519,7 +527,8 @@ def markdown_speed(bd: dict | None, measured: dict | None) -> list[str]:
             f"({r['round_in_steps']:.2f} plain steps), of which the device "
             f"{r['device_ms']:.2f} ms and the host {r['host_ms']:.2f} ms "
             f"(**{r['host_share_of_round'] * 100:.1f}%**); drafting "
-            f"**{r['draft_share_of_round'] * 100:.1f}%** of the round."
+            f"**{r['draft_share_of_round'] * 100:.1f}%** of the round"
+            f"{_of_verify(bd, r['drafter'])}."
         )
     if "sequential_head_share_of_round" in bd:
         lines.append("")
