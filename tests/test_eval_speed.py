@@ -53,6 +53,9 @@ def test_breakdown_and_measured_speedup_time_only_compiled_code():
     md = "\n".join(speed.markdown_speed(bd, m))
     assert "ideal speedup" in md and "compilations during timing: 0" in md
     assert "Device-resident rounds (dspark, 3 rounds per host call, 6 rounds timed)" in md
+    # drafting below the timer's resolution (tiny models): no share of it, no division by 0
+    bd["sequential_head_share_of_propose"] = None
+    assert "— of its proposal" in "\n".join(speed.markdown_speed(bd, m))
 
 
 def test_the_drafting_timer_runs_a_rounds_drafter_work_after_each_forward():

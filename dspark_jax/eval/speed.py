@@ -377,7 +377,10 @@ def round_breakdown(
             # same backbone: the difference is the sequential (Markov + confidence) head
             head = ds["draft_ms"] - df["draft_ms"]
             out["sequential_head_share_of_round"] = head / ds["round_ms"]
-            out["sequential_head_share_of_propose"] = head / ds["draft_ms"]
+            # None where drafting is below the timer's resolution (tiny test models)
+            out["sequential_head_share_of_propose"] = (
+                head / ds["draft_ms"] if ds["draft_ms"] > 0 else None
+            )
     return out
 
 
@@ -467,6 +470,10 @@ def _pass_range(measured: dict) -> str:
     return f" (the passes' own ratios {min(per):.2f}–{max(per):.2f}×)"
 
 
+def _pct(x) -> str:
+    return "—" if x is None else f"{x * 100:.1f}%"
+
+
 def _of_verify(bd: dict, kind: str) -> str:
     row = bd["drafters"].get(kind, {})
     if "draft_share_of_verify" not in row:
@@ -535,7 +542,7 @@ def markdown_speed(bd: dict | None, measured: dict | None) -> list[str]:
         lines.append(
             "Sequential head (DSpark drafting − DFlash drafting, same backbone): "
             f"{bd['sequential_head_share_of_round'] * 100:.1f}% of a DSpark round, "
-            f"{bd['sequential_head_share_of_propose'] * 100:.1f}% of its proposal (paper: 0.2–1.3% "
+            f"{_pct(bd['sequential_head_share_of_propose'])} of its proposal (paper: 0.2–1.3% "
             "of a production round)."
         )
     lines.append("")
