@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dspark_jax import drafters as dr
 from dspark_jax.engine import ServingEngine
-from dspark_jax.eval import speed
+from dspark_jax.eval import speed, speed_report
 from dspark_jax.models import init_params
 from dspark_jax.testing import tiny_drafter_config, tiny_target_config
 
@@ -45,17 +45,17 @@ def test_breakdown_and_measured_speedup_time_only_compiled_code():
         tcfg, ds["dspark"][0], tp, ds["dspark"][1], num_slots=1, max_len=128,
         prompt_buckets=(16, 32), rounds_per_call=4,
     )  # fmt: skip
-    m = speed.measured_speedup(
+    m = speed_report.measured_speedup(
         dec, tcfg, tp, [prompt[:7], prompt], max_new_tokens=12, temperature=1.0
     )
     assert m["compilations_during_timing"] == 0 and m["speedup"] > 0
     assert m["rounds_per_call"] == 4 and 1 <= m["tokens_per_round"] <= 5
-    md = "\n".join(speed.markdown_speed(bd, m))
+    md = "\n".join(speed_report.markdown_speed(bd, m))
     assert "ideal speedup" in md and "compilations during timing: 0" in md
     assert "Device-resident rounds (dspark, 3 rounds per host call, 6 rounds timed)" in md
     # drafting below the timer's resolution (tiny models): no share of it, no division by 0
     bd["sequential_head_share_of_propose"] = None
-    assert "— of its proposal" in "\n".join(speed.markdown_speed(bd, m))
+    assert "— of its proposal" in "\n".join(speed_report.markdown_speed(bd, m))
 
 
 def test_the_drafting_timer_runs_a_rounds_drafter_work_after_each_forward():

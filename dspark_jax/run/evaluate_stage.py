@@ -16,8 +16,7 @@ from dspark_jax.io import atomic_path, write_json_atomic, write_text_atomic
 def run_evaluate(p) -> dict:
     """The evaluate stage's body: τ per drafter and dataset, calibration, other temperatures,
     speed and analyses; writes report.json / report.md / PNGs into the stage's folder."""
-    from dspark_jax.eval import offline
-    from dspark_jax.eval import speed as evspeed
+    from dspark_jax.eval import offline, speed_report
 
     e = p.cfg.evaluate
     tcfg, tparams = p.target()
@@ -63,7 +62,7 @@ def run_evaluate(p) -> dict:
             rounds_per_call=e.speed_rounds_per_call,
             token_buckets=(p.cfg.drafters.block_size + 1,),
         )  # fmt: skip
-        speed = evspeed.measured_speedup(
+        speed = speed_report.measured_speedup(
             batch1, tcfg, tparams, sprompts,
             max_new_tokens=e.max_new_tokens, temperature=e.temperature, stop_ids=stop, passes=5,
         )  # fmt: skip
@@ -87,7 +86,7 @@ def run_evaluate(p) -> dict:
     write_json_atomic(out / "report.json", report)
     md = offline.markdown_report(table, per_drafter, None, calib, coverage=coverage)
     md += "\n".join(extra["_markdown"] + _temperature_lines(by_temp)
-                    + evspeed.markdown_speed(breakdown, speed)) + "\n"  # fmt: skip
+                    + speed_report.markdown_speed(breakdown, speed)) + "\n"  # fmt: skip
     write_text_atomic(out / "report.md", md)
     for name, plot in [("tau", lambda f: offline.plot_report(table, per_drafter, f)),
                        *extra["_plots"]]:  # fmt: skip
