@@ -285,7 +285,7 @@ def round_breakdown(
         timers[f"round_{kind}"] = lambda slot=slot, run=run_round: slot.round_ms(run)
         timers[f"step_{kind}"] = slot.step_ms
         if first is None:  # the forward sweep on the first engine's slot state
-            first = (slot, s_len)
+            first = (slot, s_len, f"verify_{kind}", g + 1)
             k = resident_rounds
             # room for the admission's K rounds and one timed call of K more: the cache
             # stays near the other engines' length whatever K is
@@ -300,8 +300,10 @@ def round_breakdown(
                 resident = (kind, _Resident(reng, prompt, temperature, (r_len - margin) // (g + 1)))
                 timers["resident"] = resident[1].step_ms
     if first is not None:
-        slot, s_len = first
+        slot, s_len, same, t_same = first
         for t in ts:
+            if t == t_same:  # the first engine's verify timer times this forward
+                continue
             drafts = jnp.zeros((t - 1,), jnp.int32) + slot.snapshot.anchor[0]
             timers[f"fwd_{t}"] = lambda drafts=drafts: _ms(lambda: jax.block_until_ready(
                 _forward_jit()(slot.eng.tcfg, s_len, *slot.eng.verify_form, None, None,
@@ -319,6 +321,8 @@ def round_breakdown(
             for k in order:
                 samples[k].append(timers[k]())
     med = {k: statistics.median(v) for k, v in samples.items()}
+    if first is not None:
+        med[f"fwd_{first[3]}"] = med[first[2]]
     step = max((med["gen_long"] - med["gen_short"]) / (n_long - n_short), 1e-6)
     out = {
         "temperature": temperature,
