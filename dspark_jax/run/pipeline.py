@@ -222,7 +222,9 @@ class Pipeline(StagedRun):
     def _stage_regenerate(self):
         return regenerate_stage.run_regenerate(self)
 
-    def _regenerated(self):
+    def regenerated(self):
+        """The regenerated conversations split as the stages use them: (the drafters' training
+        and held-out texts, the calibration split: the last ones, never trained on)."""
         from dspark_jax.train.data import read_conversations
 
         convs = []
@@ -240,7 +242,7 @@ class Pipeline(StagedRun):
         d = self.cfg.drafters
         tcfg, tparams = self.target()
         tok = self.tokenizer()
-        train_convs, _ = self._regenerated()
+        train_convs, _ = self.regenerated()
         rc = RenderConfig(
             max_length=max(d.train.seq_buckets), min_loss_tokens=d.min_loss_tokens,
             default_system_prompt=self.default_system_prompt(),
@@ -308,7 +310,7 @@ class Pipeline(StagedRun):
         if "dspark" not in self.cfg.drafters.kinds:
             return {"skipped": "no dspark drafter"}
         c = self.cfg.calibrate
-        _, cal = self._regenerated()
+        _, cal = self.regenerated()
         turns = [list(cv.user_turns()) for cv in cal]
         kept, too_long, limit = self.fitting_prompts(turns, c.max_new_tokens)
         if not kept:
