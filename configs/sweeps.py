@@ -16,10 +16,9 @@ Points:
   gamma  DSpark and DFlash with block_size 3 / 7 / 11 / 15 (draft length 4 / 8 / 12 / 16), at the
          demo's backbone depth (2 layers; the paper uses 5)
 
-Time (measured on 2 idle cores, README "Demo proportions", with the demo's earlier drafter
-settings: 64 anchor blocks, 400 steps): depth 24.5 min (1L, 2L, 5L, DFlash-5L), gamma 31 min
-(4 points x 2 drafters); about 56 min in all. Not re-measured with the present settings (128
-anchor blocks, 300 steps: more work per step, fewer steps). The target and regeneration are
+Time (measured 2026-12-04 on 2 cores with the present settings: 128 anchor blocks, 300 steps, a
+warm compilation cache): depth 16.1 min (1L, 2L, 5L, DFlash-5L), gamma 28.4 min (4 points x 2
+drafters); about 45 min in all (benchmarks/results/sweeps_{depth,gamma}.json). The target and regeneration are
 never redone (`--stages` is not needed: their keys do not change).
 """
 
