@@ -9,7 +9,9 @@ number and then reported on the evaluation table keep the two apart.
 
     python benchmarks/heldout_tau.py --run-dir runs/tiny [--kinds dspark,eagle3] [--seeds 12345,777]
 
-Prints one JSON object: {"prompts": n, "tau": {kind: [τ per seed]}, "mean": {kind: τ}}.
+Prints one JSON object: {"prompts": n, "temperature": T, "seeds": [...], "tau": {kind: [τ per
+seed]}, "mean": {kind: τ}}. The decoding is the calibrate stage's
+(`Pipeline.decode_calibration`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def main():
 
     from dspark_jax import xla_cpu
     from dspark_jax.errors import ConfigError
-    from dspark_jax.eval.offline import EvalDataset, run_dataset, summarize
+    from dspark_jax.eval.offline import summarize
     from dspark_jax.run.cli import report, user_errors
     from dspark_jax.run.pipeline import Pipeline
     from dspark_jax.run.rundir import RunDir
@@ -51,29 +53,17 @@ def main():
         p = Pipeline(cfg, log=lambda *a, **k: None)
         for kind in kinds:
             p.drafter(kind)
-        _, cal = p.regenerated()
-        c, e = cfg.calibrate, cfg.evaluate
-        kept, _, _ = p.fitting_prompts([list(cv.user_turns()) for cv in cal], c.max_new_tokens)
-        if not kept:
-            raise ConfigError("no calibration prompt fits — raise evaluate.max_len")
+        prompts = p.calibration_prompts()
     except user_errors() as err:
         return report(err)
-    prompts = tuple(kept)
     out = {}
     for kind in kinds:
-        dec = p.rundir.decoder_for(kind, [len(q) for q in prompts], c.max_new_tokens, lean=True)
-        out[kind] = []
-        for seed in seeds:
-            res = run_dataset(
-                dec, EvalDataset("calibration", "mixed", prompts),
-                max_new_tokens=c.max_new_tokens, temperature=e.temperature, seed=seed,
-                stop_ids=p.stop_ids(), batch_size=e.batch_size,
-            )  # fmt: skip
-            out[kind].append(summarize(res, dec.dcfg.block_size)["tau"])
-            print(f"{kind} seed {seed}: τ {out[kind][-1]:.3f}", file=sys.stderr)
+        runs, g = p.decode_calibration(kind, prompts, seeds)
+        out[kind] = [summarize(res, g)["tau"] for res in runs]
+        print(f"{kind}: τ " + ", ".join(f"{t:.3f}" for t in out[kind]), file=sys.stderr)
     mean = {k: sum(v) / len(v) for k, v in out.items()}
-    print(json.dumps({"prompts": len(prompts), "temperature": e.temperature, "tau": out,
-                      "mean": mean}))  # fmt: skip
+    print(json.dumps({"prompts": len(prompts), "temperature": cfg.evaluate.temperature,
+                      "seeds": seeds, "tau": out, "mean": mean}))  # fmt: skip
     return 0
 
 

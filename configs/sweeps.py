@@ -18,8 +18,8 @@ Points:
 
 Time (measured 2026-12-04 on 2 cores with the present settings: 128 anchor blocks, 300 steps, a
 warm compilation cache): depth 16.1 min (1L, 2L, 5L, DFlash-5L), gamma 28.4 min (4 points x 2
-drafters); about 45 min in all (benchmarks/results/sweeps_{depth,gamma}.json). The target and regeneration are
-never redone (`--stages` is not needed: their keys do not change).
+drafters); about 45 min in all (benchmarks/results/sweeps_{depth,gamma}.json). The target and
+regeneration are never redone (`--stages` is not needed: their keys do not change).
 """
 
 from __future__ import annotations

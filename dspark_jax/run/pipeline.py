@@ -222,9 +222,7 @@ class Pipeline(StagedRun):
     def _stage_regenerate(self):
         return regenerate_stage.run_regenerate(self)
 
-    def regenerated(self):
-        """The regenerated conversations split as the stages use them: (the drafters' training
-        and held-out texts, the calibration split: the last ones, never trained on)."""
+    def _regenerated(self):
         from dspark_jax.train.data import read_conversations
 
         convs = []
@@ -242,7 +240,7 @@ class Pipeline(StagedRun):
         d = self.cfg.drafters
         tcfg, tparams = self.target()
         tok = self.tokenizer()
-        train_convs, _ = self.regenerated()
+        train_convs, _ = self._regenerated()
         rc = RenderConfig(
             max_length=max(d.train.seq_buckets), min_loss_tokens=d.min_loss_tokens,
             default_system_prompt=self.default_system_prompt(),
@@ -302,32 +300,41 @@ class Pipeline(StagedRun):
                  f"{time.perf_counter() - t0:.0f} s, shared by the drafters")  # fmt: skip
         return readers[0], readers[1]
 
+    def calibration_prompts(self) -> tuple:
+        """The calibration split's prompts (the last regenerated conversations: no drafter trains
+        on them, and they are not the evaluation prompts), those that fit with
+        `calibrate.max_new_tokens`; a ConfigError when none does."""
+        _, cal = self._regenerated()
+        turns = [list(cv.user_turns()) for cv in cal]
+        kept, _, limit = self.fitting_prompts(turns, self.cfg.calibrate.max_new_tokens)
+        if not kept:
+            raise ConfigError(
+                f"no calibration prompt fits in {limit} tokens — raise evaluate.max_len (0 = the "
+                "target's context) or lower calibrate.max_new_tokens"
+            )
+        return tuple(kept)
+
+    def decode_calibration(self, kind: str, prompts, seeds):
+        """Decode `prompts` with drafter `kind` as the calibrate stage does (fixed block, the
+        evaluation temperature, one lean decoder) once per seed: ([results per seed], γ)."""
+        from dspark_jax.eval.offline import EvalDataset, run_dataset
+
+        c, e = self.cfg.calibrate, self.cfg.evaluate
+        dec = self.rundir.decoder_for(kind, [len(p) for p in prompts], c.max_new_tokens, lean=True)
+        ds = EvalDataset("calibration", "mixed", tuple(prompts))
+        kw = dict(max_new_tokens=c.max_new_tokens, temperature=e.temperature,
+                  stop_ids=self.stop_ids(), batch_size=e.batch_size)  # fmt: skip
+        return [run_dataset(dec, ds, seed=seed, **kw) for seed in seeds], dec.dcfg.block_size
+
     def _stage_calibrate(self):
-        from dspark_jax.eval.offline import EvalDataset, calibration_pairs, run_dataset
+        from dspark_jax.eval.offline import calibration_pairs
         from dspark_jax.sched.sts import fit_sts
         from dspark_jax.spec.metrics import reliability_from_logits
 
         if "dspark" not in self.cfg.drafters.kinds:
             return {"skipped": "no dspark drafter"}
         c = self.cfg.calibrate
-        _, cal = self.regenerated()
-        turns = [list(cv.user_turns()) for cv in cal]
-        kept, too_long, limit = self.fitting_prompts(turns, c.max_new_tokens)
-        if not kept:
-            raise ConfigError(
-                f"no calibration prompt fits in {limit} tokens — raise evaluate.max_len (0 = the "
-                "target's context) or lower calibrate.max_new_tokens"
-            )
-        prompts = tuple(kept)
-        dec = self.rundir.decoder_for(
-            "dspark", [len(p) for p in prompts], c.max_new_tokens, lean=True
-        )
-        g = dec.dcfg.block_size
-        res = run_dataset(
-            dec, EvalDataset("calibration", "mixed", prompts), max_new_tokens=c.max_new_tokens,
-            temperature=self.cfg.evaluate.temperature, seed=c.seed, stop_ids=self.stop_ids(),
-            batch_size=self.cfg.evaluate.batch_size,
-        )  # fmt: skip
+        (res,), g = self.decode_calibration("dspark", self.calibration_prompts(), [c.seed])
         rho, a, n = calibration_pairs(res, g)
         if rho.shape[0] == 0:
             raise ConfigError("calibration produced no rounds; raise calibrate.max_prompts")
