@@ -12,6 +12,8 @@ repetition in a shuffled order (interleaved), medians reported. For each candida
   as a program of its own, what results before s22 call `propose_ms`) and `round_ms` (one
   `ServingEngine.step()` of a 1-slot engine at fixed γ: scheduler, packed round, read-back,
   host commit; `eval.speed.round_breakdown`);
+* `resident`: the first drafter's round with `--rounds-per-call` device-resident rounds per host
+  call (the demo's 16), its host and drafting shares, as the demo's speed section reports them;
 * derived: `draft_share_of_verify` = drafting / verify(γ+1), `round_in_steps` = round / step,
   and `ideal_speedup` = τ · step / round at the plausible τ given by `--tau`.
 
@@ -48,8 +50,11 @@ CANDIDATES = {
     "12x256": (12, 256, 512, 4, 2),
     "24x128": (24, 128, 256, 2, 1),
     "32x112": (32, 112, 224, 2, 1),
+    # the chosen width, deeper: twice and three times the chosen target's cost (s24)
+    "32x160": (32, 160, 320, 2, 1),
+    "48x160": (48, 160, 320, 2, 1),
 }
-DEFAULT_TARGETS = ("6x256", "12x192", "16x160", "12x256")  # 24x128, 32x112: --targets (s21)
+DEFAULT_TARGETS = ("6x256", "12x192", "16x160", "12x256")  # the others: --targets (s21, s24)
 
 
 def target_config(name: str) -> TargetConfig:
@@ -91,7 +96,7 @@ def measure_target(name: str, args) -> dict:
     ts = (1, 2, 4, 8, 12, 16) if args.verify_sweep else (1,)
     # the serving engine's own programs, interleaved, medians (eval/speed.py)
     bd = speed.round_breakdown(tcfg, tp, ds, prompt, temperature=1.0, reps=args.reps,
-                               verify_tokens=ts)  # fmt: skip
+                               verify_tokens=ts, resident_rounds=args.rounds_per_call)  # fmt: skip
     step = bd["step_ms"]
     verify = bd["verify_forward_ms"][g + 1]
     out = {
@@ -116,6 +121,17 @@ def measure_target(name: str, args) -> dict:
             "round_in_steps": r / step,
             "ideal_speedup_at_tau": args.tau * step / r,
         }
+    if "resident" in bd:  # the first drafter with device-resident rounds, as the demo serves
+        rs = bd["resident"]
+        out["resident"] = {
+            "drafter": rs["drafter"],
+            "rounds_per_call": rs["rounds_per_call"],
+            "round_ms": rs["round_ms"],
+            "host_share_of_round": rs["host_share_of_round"],
+            "draft_share_of_round": rs["draft_share_of_round"],
+            "round_in_steps": rs["round_in_steps"],
+            "ideal_speedup_at_tau": args.tau * step / rs["round_ms"],
+        }
     return out
 
 
@@ -127,6 +143,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--tau", type=float, default=3.3)
+    ap.add_argument("--rounds-per-call", type=int, default=16,
+                    help="device-resident rounds per host call of the first drafter (the demo's 16)")
     ap.add_argument("--verify-sweep", action="store_true", help="verify forward for T = 1..16")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
