@@ -143,8 +143,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--tau", type=float, default=3.3)
-    ap.add_argument("--rounds-per-call", type=int, default=16,
-                    help="device-resident rounds per host call of the first drafter (the demo's 16)")
+    ap.add_argument(
+        "--rounds-per-call",
+        type=int,
+        default=16,
+        help="device-resident rounds per host call of the first drafter (the demo's 16)",
+    )
     ap.add_argument("--verify-sweep", action="store_true", help="verify forward for T = 1..16")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
