@@ -123,15 +123,7 @@ def measure_target(name: str, args) -> dict:
         }
     if "resident" in bd:  # the first drafter with device-resident rounds, as the demo serves
         rs = bd["resident"]
-        out["resident"] = {
-            "drafter": rs["drafter"],
-            "rounds_per_call": rs["rounds_per_call"],
-            "round_ms": rs["round_ms"],
-            "host_share_of_round": rs["host_share_of_round"],
-            "draft_share_of_round": rs["draft_share_of_round"],
-            "round_in_steps": rs["round_in_steps"],
-            "ideal_speedup_at_tau": args.tau * step / rs["round_ms"],
-        }
+        out["resident"] = {**rs, "ideal_speedup_at_tau": args.tau * step / rs["round_ms"]}
     return out
 
 
@@ -152,7 +144,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--verify-sweep", action="store_true", help="verify forward for T = 1..16")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    args.dspark_layers = [int(x) for x in args.dspark_layers.split(",") if x]
+    try:
+        args.dspark_layers = [int(x) for x in args.dspark_layers.split(",") if x]
+    except ValueError:
+        ap.error(f"--dspark-layers {args.dspark_layers!r}: give integers, comma-separated")
+    unknown = [n for n in args.targets.split(",") if n not in CANDIDATES]
+    if unknown:
+        ap.error(f"--targets: unknown {','.join(unknown)}; choose from {','.join(CANDIDATES)}")
+    if args.rounds_per_call < 1 or args.reps < 1:
+        ap.error("--rounds-per-call and --reps must be at least 1")
     t0 = time.time()
     res = {"gamma": args.gamma, "tau_assumed": args.tau, "reps": args.reps, "targets": {}}
     for name in args.targets.split(","):
