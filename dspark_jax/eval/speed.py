@@ -211,11 +211,13 @@ def round_breakdown(
     verify_tokens=VERIFY_TOKENS,
     seed: int = 0,
     resident_rounds: int = 8,
+    mesh=None,
 ) -> dict:
     """Medians (ms) of a plain decode step, the verify forward at each T in `verify_tokens`, and
     per drafter (`{kind: (dcfg, dparams)}`) propose / commit / host / round, on a 1-slot
     `ServingEngine` (fixed γ) per drafter; with `resident_rounds` K > 1, the first drafter's
-    round also with K device-resident rounds per host call (`resident`)."""
+    round also with K device-resident rounds per host call (`resident`). `mesh`: the engines'
+    mesh (the run's inference mesh; None = one device), recorded in the result."""
     prompt = [int(x) for x in prompt]
     plen = len(prompt)
     sampled = temperature > 0
@@ -248,7 +250,7 @@ def round_breakdown(
             )
         eng = ServingEngine(
             tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed", max_len=max_len,
-            prompt_buckets=(plen,), token_buckets=(g + 1,), modes=(mode,),
+            prompt_buckets=(plen,), token_buckets=(g + 1,), modes=(mode,), mesh=mesh,
         )  # fmt: skip
         eng.warmup()
         slot = _Slot(eng, prompt, temperature, rounds)
@@ -294,7 +296,7 @@ def round_breakdown(
                 reng = ServingEngine(
                     tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed", max_len=r_len,
                     prompt_buckets=(plen,), token_buckets=(g + 1,), cache_buckets=(r_len,),
-                    modes=(mode,), rounds_per_call=k,
+                    modes=(mode,), rounds_per_call=k, mesh=mesh,
                 )  # fmt: skip
                 reng.warmup()
                 resident = (kind, _Resident(reng, prompt, temperature, (r_len - margin) // (g + 1)))
@@ -328,6 +330,7 @@ def round_breakdown(
         "temperature": temperature,
         "prompt_tokens": plen,
         "reps": reps,
+        "mesh": None if mesh is None else dict(mesh.shape),
         "compilations_during_timing": cc.count,
         "step_ms": step,
         "verify_forward_ms": {t: med[f"fwd_{t}"] for t in ts} if first else {},

@@ -74,6 +74,7 @@ def measured_speedup(
     res["ms_per_plain_token"] = float(secs["autoregressive"] * 1e3 / max(tok["autoregressive"], 1))
     res["slots"] = decoder.num_slots
     res["rounds_per_call"] = decoder.rounds_per_call
+    res["mesh"] = None if decoder.mesh is None else dict(decoder.mesh.shape)
     res["prompts"] = len(prompts)
     res["passes"] = passes
     res["stop_ids_honoured"] = bool(stop_ids)
@@ -106,8 +107,17 @@ def _of_verify(bd: dict, kind: str) -> str:
             f"{row['gamma'] + 1} tokens")  # fmt: skip
 
 
+def _where(mesh: dict | None) -> str:
+    if not mesh:
+        return "on one device"
+    return "on the run's mesh (" + ", ".join(f"{k} {v}" for k, v in mesh.items()) + ")"
+
+
 def markdown_speed(bd: dict | None, measured: dict | None) -> list[str]:
     lines = ["", "## Speed at batch 1 (compiled code only)", ""]
+    mesh = (measured or bd or {}).get("mesh")
+    if measured or bd:
+        lines += [f"Timed {_where(mesh)}.", ""]
     if measured:
         lines.append(
             f"Measured end to end ({measured['prompts']} prompts × {measured.get('passes', 1)} "
@@ -133,7 +143,7 @@ def markdown_speed(bd: dict | None, measured: dict | None) -> list[str]:
         "after each verify forward. The rest of the round program is acceptance, the residual "
         "draw and the cache update, plus what a device call costs beyond its dispatch when it "
         "starts after other work; the proposal called as a program of its own (last column) "
-        "pays that too, which reports before s22 counted as drafting."
+        "pays that too."
     )
     lines.append("")
     lines.append("| drafter | drafting | verify forward | rest of the round program | host | round | "

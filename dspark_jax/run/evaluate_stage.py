@@ -180,7 +180,7 @@ def _speed_breakdown(p, prompt, table) -> dict:
     p.log("  speed: timing the round's components (compiled, interleaved, medians)")
     bd = evspeed.round_breakdown(
         tcfg, tparams, drafters, prompt, temperature=e.temperature, reps=e.speed_reps,
-        resident_rounds=e.speed_rounds_per_call,
+        resident_rounds=e.speed_rounds_per_call, mesh=p.rundir.mesh,
     )  # fmt: skip
     return evspeed.add_ideal(bd, {k: v["macro"] for k, v in table["tau"].items()})
 

@@ -1,0 +1,167 @@
+"""The micro preset and the serving CLIs on 8 simulated devices, as a user runs them on one host
+with several devices: all seven stages on an fsdp x tensor mesh and on a data-parallel mesh give
+the one-device run's τ tables, and `serve.py generate` / `serve.py serve` on `--mesh 1,2,4` give
+the one-device tokens (greedy speculative decoding = greedy decoding of the target)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("corpus", "tokenizer", "target", "regenerate", "drafters", "calibrate", "evaluate")
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ, TQDM_DISABLE="1", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def _script(name: str, args, devices: int, timeout=900) -> str:
+    p = subprocess.run(
+        [sys.executable, str(ROOT / name), *args],
+        cwd=ROOT, env=_env(devices), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory) -> Path:
+    """The micro preset on one device: CI's first step's run (DSPARK_TEST_MICRO_RUN, a copy),
+    else trained here."""
+    run = tmp_path_factory.mktemp("one") / "micro"
+    given = os.environ.get("DSPARK_TEST_MICRO_RUN")
+    if given:
+        shutil.copytree(given, run)
+    else:
+        _script("train.py", ["--config", "configs/micro.py", "--run-dir", str(run)], 1)
+    return run
+
+
+def _report(run: Path) -> dict:
+    return json.loads((run / "evaluate" / "report.json").read_text())
+
+
+# a data-parallel mesh of 8 needs batches of whole sequences per device: the drafters' batches
+# of 8 (the one-device reference reruns the drafters, calibrate and evaluate with the same)
+BATCH8 = ("drafters.train.global_batch_size=8", "drafters.train.micro_batch_size=8",
+          "drafters.train.eval_batch_size=8")  # fmt: skip
+
+
+def _sets(settings) -> list[str]:
+    return [a for s in settings for a in ("--set", s)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mesh, settings, inference_mesh",
+    [((1, 2, 4), (), {"data": 1, "fsdp": 2, "tensor": 4}), ((8, 1, 1), BATCH8, None)],
+    ids=["fsdp2_tensor4", "data8"],
+)
+def test_micro_preset_on_8_devices_gives_the_one_device_tau(
+    one_device_run, tmp_path, mesh, settings, inference_mesh
+):
+    ref_run = one_device_run
+    if settings:
+        ref_run = tmp_path / "one"
+        shutil.copytree(one_device_run, ref_run)
+        args = ["--config", "configs/micro.py", "--run-dir", str(ref_run), *_sets(settings)]
+        assert "drafters: ran" in _script("train.py", args, 1)
+    run = tmp_path / "micro"
+    data, fsdp, tensor = mesh
+    mesh_sets = (f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}")
+    args = ["--config", "configs/micro.py", "--run-dir", str(run), *_sets(settings + mesh_sets)]
+    out = _script("train.py", args, 8)
+    assert ", ".join(f"{s}: ran" for s in STAGES) in out  # all seven stages, none cached
+    rep, ref = _report(run), _report(ref_run)
+    for kind, row in ref["tau"].items():
+        for name, tau in row["datasets"].items():
+            assert rep["tau"][kind]["datasets"][name] == pytest.approx(tau, abs=1e-9), (kind, name)
+    for t, tab in ref["tau_by_temperature"].items():
+        for kind, row in tab["tau"].items():
+            assert rep["tau_by_temperature"][t]["tau"][kind]["macro"] == pytest.approx(
+                row["macro"], abs=1e-9
+            )
+    # the batch-1 timing runs on the run's inference mesh and says so
+    assert rep["speed_breakdown"]["mesh"] == inference_mesh
+    assert rep["speed_batch1"]["mesh"] == inference_mesh
+    assert rep["speed_batch1"]["speedup"] > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_device_engine_ids(run: Path, prompt: list[int], n: int, **knobs) -> list[int]:
+    """The same request through a one-device engine of the run (fixed γ, root seed 0, as the
+    server below)."""
+    from dspark_jax.engine import RequestParams
+    from dspark_jax.run.rundir import RunDir
+
+    eng = RunDir(run).decoder("dspark", max_len=128, length_buckets=(16,), num_slots=1)
+    (out,) = eng.generate([prompt], RequestParams(n, **knobs))
+    return [int(x) for x in out.tokens]
+
+
+@pytest.mark.slow
+def test_serve_generate_and_serve_on_a_1_2_4_mesh(one_device_run, tmp_path):
+    args = ["generate", "--run-dir", str(one_device_run), "--prompt", "What is 12 plus 30?",
+            "--max-new-tokens", "16", "--temperature", "0"]  # fmt: skip
+    plain = _script("serve.py", args, 8)
+    meshed = _script("serve.py", [*args, "--mesh", "1,2,4"], 8)
+    strip = lambda s: [ln for ln in s.splitlines() if "tokens/s" not in ln]  # wall time differs
+    assert strip(meshed) == strip(plain) and "τ=" in meshed
+
+    port = _free_port()
+    log = tmp_path / "server.log"  # a file, not a pipe nobody reads (XLA's warnings fill one)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "serve.py"), "serve", "--run-dir", str(one_device_run),
+             "--mesh", "1,2,4", "--port", str(port), "--num-slots", "2", "--policy", "fixed",
+             "--log-level", "warning"],
+            cwd=ROOT, env=_env(8), stdout=f, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    prompt, n = [5, 6, 7, 8, 9, 10], 24
+    knobs = dict(temperature=0.8, top_p=0.9, seed=7)
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not start: " + log.read_text()[-2000:]
+            time.sleep(0.5)
+        body = {"model": one_device_run.name, "prompt": prompt, "max_tokens": n,
+                "ignore_eos": True, "return_token_ids": True, **knobs}  # fmt: skip
+        r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        ids = r.json()["choices"][0]["token_ids"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert len(ids) == n and len(set(ids)) > 1  # sampled, not a degenerate repeat
+    assert ids == _one_device_engine_ids(one_device_run, prompt, n, **knobs)
