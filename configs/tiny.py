@@ -1,6 +1,7 @@
 """The embedded demo: a ~4M-parameter Qwen3 target trained here, three drafters, a τ table.
 
-Proportions chosen by measurement (benchmarks/demo_proportions.py, README "Demo proportions"):
+Proportions chosen by measurement (benchmarks/demo_proportions.py; docs/MEASUREMENTS.md, "Demo
+proportions"):
 a target deep relative to its drafters (16 layers x 160 rather than 6 x 256 at about the same
 parameter count, 200 steps), target features from 5 layers spread over its depth (1, 4, 7, 10, 13;
 Eagle3 reads the same ones), 2-layer DSpark / DFlash backbones with 128 anchor blocks per sequence

@@ -18,8 +18,8 @@ dot and elementwise fusions (`xla_cpu_experimental_ynn_fusion_type`), on the dem
     32 decode steps at batch 32              0.96x                0.94x
     32 decode steps at batch 1               1.55x (2026-12-03, decode_paths' decode_b1)
 
-(benchmarks/xla_cpu_flags.py makes the first column; this shared machine ran ~1.2x slower then.
-Its re-run of 2026-12-03, benchmarks/results/xla_cpu_flags.json: target step 0.95x, micro-steps
+(`benchmarks/ab.py xla_cpu` re-measures the training rows; this shared machine ran ~1.2x slower
+then. Its re-run of 2026-12-03, docs/MEASUREMENTS.md: target step 0.95x, micro-steps
 1.07 / 1.12 / 1.03x, decode at batch 1 1.55x, at batch 32 0.93x: the training rows move with the
 machine's load between runs.)
 The two columns are not two strengths of one option: the target's real training step
@@ -47,8 +47,8 @@ proposal, the verify forward over a block of tokens per slot, acceptance) and ba
 prefill go the other way: compiled with no YNNPACK fusions at all (`ENGINE_VALUE`, the empty
 list), their products of a few to a few hundred rows run in XLA's own dot kernels, which on
 this CPU are faster at those shapes than YNNPACK's, while YNNPACK's stay faster for the one-row
-products of a plain decode step. On the demo's models in one process (benchmarks/engine_ynn.py:
-12 held-out prompts from the three evaluation sets, T = 1, the chat's stop ids, prefill
+products of a plain decode step. On the demo's models in one process (docs/MEASUREMENTS.md:
+engine_ynn, 12 held-out prompts from the three evaluation sets, T = 1, the chat's stop ids, prefill
 included, 5 interleaved passes; three runs): DSpark's batch-1 speculative decoding (8
 device-resident rounds per call) 1.14 / 1.17 / 1.17x faster per token with the option than with
 XLA's default (1.06x once the engine ran a tied LM head untied, s20: part of the gain was that
@@ -130,7 +130,7 @@ def unrolled_threefry(environ=os.environ) -> bool:
     straight-line code, the lowering JAX itself uses on the other backends, instead of its CPU
     default: a rolled 5-iteration loop of small array ops. Every draw is bit for bit the same
     (the same uint32 arithmetic; tests/test_xla_cpu.py compares them); XLA fuses the unrolled
-    rounds into one loop over the elements. On the 2-core CPU (`benchmarks/threefry_cpu.py`) the
+    rounds into one loop over the elements. On the 2-core CPU (`benchmarks/ab.py threefry`) the
     Gumbel noise of one [2048]-vocabulary draw, which every sampled token of plain decoding
     pays, took 109 -> 16 us, the drafter's γ = 7 draws 110 -> 46 us; 32 sampled decode steps of
     the demo's target at batch 1 1.06-1.12x, at batch 32 1.01-1.05x.

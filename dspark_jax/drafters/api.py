@@ -83,8 +83,8 @@ def share_target_tables(params: DrafterParams, target_params: nnx.State) -> Draf
     they are bitwise equal (the target's embedding, and its LM head kernel when it has one:
     untied, or `transformer.untie_lm_head`'s copy). The values are unchanged; a program given
     both param trees then reads one buffer per table, so the drafter's LM head product after the
-    verify forward finds the target's head in cache (benchmarks/engine_head.py), and the tables
-    are held once. Other leaves, and tables that differ (a drafter of another dtype or
+    verify forward finds the target's head in cache (docs/MEASUREMENTS.md: engine_head), and the
+    tables are held once. Other leaves, and tables that differ (a drafter of another dtype or
     vocabulary), are kept as they are."""
     tables = [target_params["embed_tokens"][...]]
     if "lm_head" in target_params:

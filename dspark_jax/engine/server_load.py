@@ -1,9 +1,8 @@
 """Bounded load test of a running dspark-jax HTTP server on this machine (127.0.0.1 only).
 
-    python benchmarks/serving_load.py --url http://127.0.0.1:8000 --requests 1000
     python serve.py bench --url http://127.0.0.1:8000 --requests 1000
 
-(Both run `main` here; the test suite calls `run_load` with about 100 requests.)
+(It runs `main` here; the test suite calls `run_load` with about 100 requests.)
 
 Sends `--requests` requests split over phases of increasing concurrency (closed loop: each of
 `c` workers sends its next request when the previous one ends), mixing

@@ -77,7 +77,7 @@ def _round_programs(one_set: bool, fused: bool):
 # A tied LM head is run from an untied [H, V] copy on CPU when the copy is at most this large
 # (`transformer.untie_lm_head`): XLA:CPU's dot reads the tied [V, H] table transposed, 7x slower
 # than the copy at the verify forward's 8 rows under the engine's option (220 vs 31 us, demo
-# target), a tenth of a batch-1 round (benchmarks/engine_head.py)
+# target), a tenth of a batch-1 round (docs/MEASUREMENTS.md: engine_head)
 UNTIE_MAX_BYTES = 256 << 20
 
 
@@ -152,7 +152,7 @@ class ServingEngine(EngineCalls, EngineDriving, EngineCommit):
         # read back from the cache in one key set. The q|k|v and gate|up products stay separate:
         # fused (`models.packed`'s `fused`) they made a batch-1 round of the demo's target 10%
         # slower under the engine's XLA:CPU option, pre-concatenated kernels included
-        # (4.46-4.50 vs 4.04 ms, benchmarks/engine_head.py).
+        # (4.46-4.50 vs 4.04 ms, docs/MEASUREMENTS.md: engine_head).
         tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
         single = len(self.token_buckets) * len(self.cache_buckets) == 1 and tensor == 1
         self.verify_form = (single, False)  # (one_set, fused)

@@ -93,7 +93,7 @@ def apply_rope(x_BxTxNxD, positions_BxT, inv_freq):
     [x1, x2] -> [x1·cos − x2·sin, x2·cos + x1·sin], written as x·[cos, cos] + roll(x)·[−sin, sin]
     (the same products and sums; XLA may round a fused multiply-add differently, ~1 ulp): one
     elementwise pass instead of a split and a concatenate, which on CPU cost a tenth of a
-    training step, backward included (benchmarks/target_step.py)."""
+    training step, backward included (docs/MEASUREMENTS.md: target_step)."""
     freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     cos = jnp.cos(freqs)[:, :, None, :]
     sin = jnp.sin(freqs)[:, :, None, :]
@@ -140,8 +140,8 @@ class Attention(nnx.Module):
         `fused` (static): one product with the three kernels side by side (concatenated inside
         the program; XLA hoists that out of a decoding loop) instead of three: the same values
         up to the product's summation order. On CPU a few-token product costs mostly its
-        dispatch and weight traffic (benchmarks/verify_profile.py); keep the default where the
-        kernels are split over devices (tensor parallelism), whose concatenation moves data."""
+        dispatch and weight traffic (docs/MEASUREMENTS.md: verify_profile); keep the default where
+        the kernels are split over devices (tensor parallelism), whose concatenation moves data."""
         if not fused:
             return self.queries(x_BxTxI, positions_BxT), *self.keys_values(x_BxTxI, positions_BxT)
         projs = (self.q_proj, self.k_proj, self.v_proj)
@@ -197,7 +197,7 @@ def joint_softmax(scores, masks):
 
     The gradient is the softmax's own, dS_i = P_i·(dP_i − Σ_j Σ P_j·dP_j) (a custom VJP, as
     `jax.nn.softmax` has): differentiating through the masks, the max and the division instead
-    cost a seventh of a training step on CPU (benchmarks/target_step.py).
+    cost a seventh of a training step on CPU (docs/MEASUREMENTS.md: target_step).
     """
     return _joint_softmax(list(scores), list(masks))
 

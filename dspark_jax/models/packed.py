@@ -37,7 +37,7 @@ attention only: each slot's query rows read that slot's cache in place, `slots x
 cache_len` scores and no copy of the cache — when those padded rows are at most
 `SLOT_MAJOR_PAD` x T (a static choice per token bucket). Otherwise every token gathers its slot's
 cache (`T` copies of `cache_len` keys and values per layer, cheaper when few slots' tokens are
-verified: benchmarks/verify_layout.py).
+verified; docs/MEASUREMENTS.md: verify_layout).
 
 This composes `transformer.py`'s modules and `layers.attend` (same parameters, same RMSNorm /
 RoPE / GQA code), so a packed forward equals the batched one up to float reassociation.
@@ -56,7 +56,7 @@ from dspark_jax.models.layers import attend
 
 # The slot-major layout's padded query rows (slots x slot_tokens) at most this many times the
 # bucket's tokens: measured crossover of the two layouts on the demo's target at 8 and 32 slots
-# (benchmarks/verify_layout.py)
+# (docs/MEASUREMENTS.md: verify_layout)
 SLOT_MAJOR_PAD = 4
 
 

@@ -354,12 +354,12 @@ def gumbel_noise(keys: jax.Array, num_classes: int, dtype=jnp.float32) -> jax.Ar
     vectorised call before the loop and draw with :func:`sample_with_noise` inside it: the same
     tokens bit for bit, and on CPU one threefry pass instead of one per step (CPU JAX runs
     threefry as a rolled loop of small ops; the per-slot draws were about a third of the demo
-    drafters' γ = 7 proposal, benchmarks/decode_paths.py).
+    drafters' γ = 7 proposal, docs/MEASUREMENTS.md: decode_paths).
 
     The keys are made before the noise (an optimization barrier): XLA would otherwise fuse a
     key's derivation (`fold_in`s of seed and position) into the fusion that hashes each of its V
     elements and recompute it per element; with threefry unrolled (`xla_cpu.unrolled_threefry`)
-    that made sampled decoding at batch 32 0.94x instead of 1.05x (benchmarks/threefry_cpu.py).
+    that made sampled decoding at batch 32 0.94x instead of 1.05x (benchmarks/ab.py threefry).
     """
     flat = jnp.reshape(keys, (-1,))
     flat = jax.random.wrap_key_data(

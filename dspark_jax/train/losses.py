@@ -116,7 +116,7 @@ def ce_and_l1(logits, p_t, ids=None):
     detached L1) is skipped. Autodiff instead keeps and re-reads several [..., V] intermediates
     (log p_d, p_d, the sign, their products). On the demo's drafters with the training steps' XLA:CPU
     option the micro-step is 1.05x faster for DSpark and unchanged for DFlash and Eagle3
-    (benchmarks/drafter_step.py).
+    (docs/MEASUREMENTS.md: drafter_step).
     """
     return _ce_and_l1(logits, p_t, ids)
 
