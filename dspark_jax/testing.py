@@ -1,12 +1,19 @@
-"""Tiny deterministic targets and helpers shared by every test and benchmark."""
+"""Tiny deterministic targets, a tiny tokenizer and helpers shared by every test and benchmark."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.config import RopeScaling, TargetConfig
+from dspark_jax.demo.corpus import sample_text
+from dspark_jax.models.hf import load_tokenizer
+from dspark_jax.train import tokenizer
 
 
 def tiny_target_config(architecture: str = "qwen3", **overrides) -> TargetConfig:
@@ -157,3 +164,16 @@ def random_params(cfg: TargetConfig, seed: int):
             x = rng.normal(0.0, 0.5 if path[-1] == "bias" else 0.05, shape)
         flat.append((path, var.replace(jnp.asarray(x, jnp.float32))))
     return nnx.from_flat_state(flat)
+
+
+def tiny_tokenizer(cache_dir: str | os.PathLike, vocab_size: int = 512) -> Any:
+    """A small tokenizer for tests, trained once on `corpus.sample_text()` and cached in
+    ``cache_dir/tiny_tokenizer_v{version}_{vocab_size}`` (a second call only loads it)."""
+    out = Path(cache_dir) / f"tiny_tokenizer_v{tokenizer.TOKENIZER_VERSION}_{vocab_size}"
+    meta = tokenizer.read_meta(out)
+    if (
+        meta is not None
+        and meta.get("fingerprint", {}).get("version") == tokenizer.TOKENIZER_VERSION
+    ):
+        return load_tokenizer(out, require_chat_template=True)
+    return tokenizer.train_tokenizer([sample_text()], out, vocab_size, force=True)

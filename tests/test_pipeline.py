@@ -299,7 +299,7 @@ def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dspark_jax.train.tokenizer import tiny_tokenizer
+    from dspark_jax.testing import tiny_tokenizer
 
     ns: dict = {}
     exec((ROOT / "configs" / "qwen3_4b_dspark.py").read_text(), ns)

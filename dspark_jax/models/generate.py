@@ -41,15 +41,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.buckets import GENERATE_BATCH_BUCKETS, GENERATE_LENGTH_BUCKETS, bucket_up
+from dspark_jax.buckets import GENERATE_BATCH_BUCKETS, GENERATE_LENGTH_BUCKETS
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import RequestError
 
 # the device-side contract, re-exported: generate's public API has always included it
 from dspark_jax.models.decoding import (
+    PAD_TOKEN,
     DecodeRequest,
     DecodeState,
     _decode_loop,
+    bucket_size,
     decode_step,
     decode_step_jit,
     extend,
@@ -62,6 +64,7 @@ from dspark_jax.models.decoding import (
     start_jit,
     token_keys,
 )
+from dspark_jax.models.generate_queue import run_queue
 from dspark_jax.models.validate import check_request_fits
 from dspark_jax.spec.sampling import (
     SamplingConfig,
@@ -92,19 +95,7 @@ __all__ = [
 
 DEFAULT_BATCH_BUCKETS = GENERATE_BATCH_BUCKETS
 DEFAULT_LENGTH_BUCKETS = GENERATE_LENGTH_BUCKETS  # 16 ... 32768
-_PAD_TOKEN = 0
 _MIN_STOP_BUCKET = 4
-
-
-def bucket_size(n: int, buckets: Sequence[int], what: str = "size") -> int:
-    """The smallest bucket >= n; RequestError if n exceeds the largest one."""
-    b = bucket_up(n, buckets)
-    if b is not None:
-        return b
-    raise RequestError(
-        f"{what} {n} exceeds the largest bucket {max(buckets)}; pass larger buckets "
-        f"(e.g. {what.split()[0]}_buckets=(..., {1 << max(n - 1, 0).bit_length()}))"
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,8 +240,6 @@ def generate(
     buckets = (tuple(batch_buckets), tuple(length_buckets))
     chunk = max(batch_buckets)
     if loop == "queue":
-        from dspark_jax.models.generate_queue import run_queue
-
         return run_queue(cfg, params, prompts, rows, stop_K, key, scfg, buckets)[0]
     outs: list[list[int]] = []
     for lo in range(0, n, chunk):
@@ -281,7 +270,7 @@ def _run_bucket(cfg, params, prompts, rows: _HostRows, stop_K, key, scfg, bucket
     p = bucket_size(int(lens.max()), length_buckets, "length of prompt")
     s = bucket_size(int((lens + rows.max_new).max()), length_buckets, "length of prompt + new")
     s = min(s, cfg.max_position_embeddings)
-    tokens = np.full((b, p), _PAD_TOKEN, np.int32)
+    tokens = np.full((b, p), PAD_TOKEN, np.int32)
     for i, pr in enumerate(prompts):
         tokens[i, : len(pr)] = pr
     lengths = np.ones((b,), np.int32)

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.models import transformer as tf
-from dspark_jax.models.generate import (
-    _PAD_TOKEN,
+from dspark_jax.models.decoding import (
+    PAD_TOKEN,
     DecodeRequest,
     DecodeState,
     bucket_size,
@@ -179,7 +179,7 @@ def _run_group(cfg, params, prompts, rows_host, stop_K, key, scfg, s, num_rows):
     n, lens = len(prompts), rows_host.lens
     q = max(4 * num_rows, 1 << max(n - 1, 0).bit_length())
     p = -(-s // PREFILL_CHUNK) * PREFILL_CHUNK  # whole chunks
-    tokens = np.full((q, p), _PAD_TOKEN, np.int32)
+    tokens = np.full((q, p), PAD_TOKEN, np.int32)
     for i, pr in enumerate(prompts):
         tokens[i, : len(pr)] = pr
     pad = lambda a, v, dt: np.concatenate([np.asarray(a, dt), np.full((q - n,), v, dt)])

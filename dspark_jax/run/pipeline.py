@@ -96,7 +96,7 @@ class Pipeline(StagedRun):
     def fitting_prompts(self, turns: list[list[str]], max_new_tokens: int):
         """(token ids of the prompts that fit the target's context with this budget, how many
         did not, the limit). Only the first user turn is evaluated."""
-        from dspark_jax.train.data_templates import encode_prompt
+        from dspark_jax.templates import encode_prompt
 
         tok = self.tokenizer()
         limit = self.rundir.prompt_limit(max_new_tokens, self.cfg.evaluate.max_len)
@@ -163,7 +163,8 @@ class Pipeline(StagedRun):
             tcfg, _ = self.target()
             return {"source": c.target.path, "params": _count(self.target()[1])}
         from dspark_jax.models.hf import save_target_hf
-        from dspark_jax.train.data_templates import RenderConfig, encode_conversations
+        from dspark_jax.templates import RenderConfig
+        from dspark_jax.train.data import encode_conversations
         from dspark_jax.train.lm import train_lm
 
         t = c.target
@@ -234,7 +235,8 @@ class Pipeline(StagedRun):
         return convs[: len(convs) - n_cal], convs[len(convs) - n_cal :]
 
     def _stage_drafters(self):
-        from dspark_jax.train.data_templates import RenderConfig, encode_conversations
+        from dspark_jax.templates import RenderConfig
+        from dspark_jax.train.data import encode_conversations
         from dspark_jax.train.trainer import Trainer
 
         d = self.cfg.drafters

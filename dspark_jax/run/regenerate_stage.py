@@ -19,7 +19,7 @@ def run_regenerate(p) -> dict:
     """The regenerate stage's body: the target answers the training prompts turn by turn;
     written as shards of JSONL conversations (resumable; one set per process)."""
     from dspark_jax.models.generate import generate
-    from dspark_jax.train.data_templates import encode_prompt
+    from dspark_jax.templates import encode_prompt
 
     c = p.cfg.regenerate
     tcfg, tparams = regen_target(p)
