@@ -12,6 +12,7 @@ import numpy as np
 
 from dspark_jax.config import RopeScaling, TargetConfig
 from dspark_jax.demo.corpus import sample_text
+from dspark_jax.engine.compiles import CompileCounter as CompileCounter  # the retrace guard
 from dspark_jax.models.hf import load_tokenizer
 from dspark_jax.train import tokenizer
 
@@ -71,47 +72,6 @@ def positions_like(tokens_BxT, start=0) -> jax.Array:
     b, t = tokens_BxT.shape
     start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
     return start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-
-
-class CompileCounter:
-    """Counts XLA compilations (and jaxpr traces) while active: the retrace guard for tests.
-
-        with CompileCounter() as cc: ...
-        assert cc.count == 0, cc.names
-
-    `count` is the number of backend compilations (`/jax/core/compile/backend_compile_duration`
-    events); `traces` the number of jaxpr traces, which also catches a retrace whose compilation
-    is served by a persistent compilation cache. Eager jnp ops on new shapes compile too, so keep
-    host-side array building in numpy inside the guarded block.
-    """
-
-    _COMPILE = "/jax/core/compile/backend_compile_duration"
-    _TRACE = "/jax/core/compile/jaxpr_trace_duration"
-
-    def __init__(self):
-        self.count = 0
-        self.traces = 0
-        self.names: list[str] = []
-
-    def _listener(self, event, duration_secs=None, **kwargs):
-        if event == self._COMPILE:
-            self.count += 1
-            self.names.append(str(kwargs.get("fun_name", event)))
-        elif event == self._TRACE:
-            self.traces += 1
-
-    def __enter__(self):
-        from jax import monitoring
-
-        self._cb = self._listener
-        monitoring.register_event_duration_secs_listener(self._cb)
-        return self
-
-    def __exit__(self, *exc):
-        from jax import monitoring
-
-        monitoring.unregister_event_duration_listener(self._cb)
-        return False
 
 
 def tiny_drafter_config(kind: str = "dspark", target=None, **overrides):

@@ -64,7 +64,7 @@ class RunDir:
             raise ConfigError(f"{f} is not valid JSON ({e}) — restore it or retrain") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{f} must hold a JSON object — restore it or retrain")
-        try:  # an older layout is translated (pipeline_config.upgrade_legacy_json)
+        try:
             return PipelineConfig.from_json(d)
         except (ConfigError, TypeError) as e:
             raise ConfigError(
