@@ -86,16 +86,6 @@ class CompileTally:
         _local.tally = _local.stack.pop()
         return False
 
-    def wrap(self, fn):
-        """`fn` whose calls count into this tally."""
-
-        def counted(*args, **kwargs):
-            with self:
-                return fn(*args, **kwargs)
-
-        counted.__wrapped__ = fn
-        return counted
-
 
 class CompileCounter(CompileTally):
     """Every compilation (and jaxpr trace) in the process while active, on any thread: the

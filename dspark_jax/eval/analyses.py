@@ -46,10 +46,6 @@ def _rounds(results) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np
             np.asarray(ids, np.int64), c)  # fmt: skip
 
 
-def _tokens(a, e):
-    return a + 1 - e.astype(np.int64)  # the EOS-terminated round has no bonus token
-
-
 # ---- bootstrap intervals -------------------------------------------------------------------
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.buckets import bucket_up
+from dspark_jax.buckets import bucket_up, pow2_bucket
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.models import transformer as tf
@@ -47,7 +47,7 @@ def bucket_size(n: int, buckets: Sequence[int], what: str = "size") -> int:
         return b
     raise RequestError(
         f"{what} {n} exceeds the largest bucket {max(buckets)}; pass larger buckets "
-        f"(e.g. {what.split()[0]}_buckets=(..., {1 << max(n - 1, 0).bit_length()}))"
+        f"(e.g. {what.split()[0]}_buckets=(..., {pow2_bucket(n, 1)}))"
     )
 
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.buckets import GENERATE_BATCH_BUCKETS, GENERATE_LENGTH_BUCKETS
+from dspark_jax.buckets import GENERATE_BATCH_BUCKETS, GENERATE_LENGTH_BUCKETS, pow2_bucket
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import RequestError
 
@@ -233,7 +233,7 @@ def generate(
     if isinstance(key, (int, np.integer)):
         key = jax.random.key(key)
 
-    k_stop = max(_MIN_STOP_BUCKET, 1 << max(stop.size - 1, 0).bit_length())
+    k_stop = pow2_bucket(stop.size, _MIN_STOP_BUCKET)
     stop_K = np.full((k_stop,), -1, np.int32)
     stop_K[: stop.size] = stop
     rows = _HostRows(lens, max_new, seeds_arr, None if sp is None else [np.asarray(f) for f in sp])

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.buckets import pow2_bucket
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.decoding import (
     PAD_TOKEN,
@@ -177,7 +178,7 @@ def _run_group(cfg, params, prompts, rows_host, stop_K, key, scfg, s, num_rows):
     queue is padded to a power of two of at least 4 x `num_rows` requests and the prompts to `s`
     tokens (the loop only reads an admitted prompt's own chunks)."""
     n, lens = len(prompts), rows_host.lens
-    q = max(4 * num_rows, 1 << max(n - 1, 0).bit_length())
+    q = max(4 * num_rows, pow2_bucket(n, 1))
     p = -(-s // PREFILL_CHUNK) * PREFILL_CHUNK  # whole chunks
     tokens = np.full((q, p), PAD_TOKEN, np.int32)
     for i, pr in enumerate(prompts):

@@ -194,13 +194,10 @@ class Pipeline(StagedRun):
         write_json_atomic(self.stage_dir("target") / "train_log.json", log)
         return {"params": _count(params), "final": log[-1] if log else None}
 
-    def _regen_prompts(self):
-        """Training prompts (user turns) in a fixed order; the last `calibrate.max_prompts` form
-        the calibration split (never used to train drafters)."""
-        return [t for _, t in self._regen_requests()]
-
     def _regen_requests(self):
-        """(the sample's own system message or None, its user turns), in `_regen_prompts` order."""
+        """(the sample's own system message or None, its user turns) of the training prompts in
+        a fixed order; the last `calibrate.max_prompts` form the calibration split (never used
+        to train drafters)."""
         convs = self._training_conversations()
         rng = np.random.default_rng(self.cfg.regenerate.seed)
         order = rng.permutation(len(convs))
