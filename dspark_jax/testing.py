@@ -9,11 +9,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from dspark_jax.config import RopeScaling, TargetConfig
+from dspark_jax.config import DrafterConfig, RopeScaling, TargetConfig
 from dspark_jax.demo.corpus import sample_text
 from dspark_jax.engine.compiles import CompileCounter as CompileCounter  # the retrace guard
 from dspark_jax.models.hf import load_tokenizer
+from dspark_jax.models.transformer import forward_jit, init_params
 from dspark_jax.train import tokenizer
 
 
@@ -77,8 +79,6 @@ def positions_like(tokens_BxT, start=0) -> jax.Array:
 def tiny_drafter_config(kind: str = "dspark", target=None, **overrides):
     """A drafter for `tiny_target_config()`: 2 layers (Eagle3: 1), γ=4, 8 anchors, r=16,
     mask token 255 (the last embedding row)."""
-    from dspark_jax.config import DrafterConfig
-
     target = target or tiny_target_config()
     base = dict(block_size=4)
     if kind != "eagle3":
@@ -94,8 +94,6 @@ def drafter_batch(
 ):
     """A loss_fn batch from the target itself: random tokens, loss mask off for the first
     `prompt` tokens, online target features and final hidden state."""
-    from dspark_jax.models.transformer import forward_jit
-
     ids = random_tokens(seed, (batch, length), target_cfg.vocab_size - 1)
     out, _ = forward_jit(target_cfg, target_params, ids, positions_like(ids), compute_logits=False)
     mask = jnp.ones((batch, length), jnp.float32).at[:, :prompt].set(0.0)
@@ -110,10 +108,6 @@ def random_params(cfg: TargetConfig, seed: int):
     Norm weights and biases are random too, so a dropped, misnamed or mis-sharded one changes
     the outputs (parity and sharding tests rely on that).
     """
-    from flax import nnx
-
-    from dspark_jax.models.transformer import init_params
-
     rng = np.random.default_rng(seed)
     flat = []
     for path, var in nnx.to_flat_state(jax.eval_shape(lambda: init_params(cfg))):

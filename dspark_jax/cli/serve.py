@@ -102,6 +102,7 @@ def generate(args) -> int:
 def _policy(args, run):
     """The verification policy as `(name, kwargs)` for the decoder's `set_policy`, or None for
     fixed γ (the engine's default); its inputs are checked before the decoder is built."""
+    # jax: imported after the flags are parsed (serve.py imports this module before its re-run)
     from dspark_jax.sched.cost import CostProfile
     from dspark_jax.sched.sts import STS
 

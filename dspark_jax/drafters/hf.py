@@ -32,6 +32,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -55,6 +56,7 @@ from dspark_jax.models.hf import (
     to_host,
     weight_files,
 )
+from dspark_jax.sched.sts import STS
 
 _ARCH_PREFIX = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -297,8 +299,6 @@ def load_hf_drafter_extras(path: str | os.PathLike):
     """`(STS | None, TargetId | None)`: the calibration temperatures and the target a drafter
     checkpoint's config.json records (`save_hf_drafter(..., sts=, trained_for=)`); None for
     what it does not record (e.g. a released checkpoint)."""
-    from dspark_jax.sched.sts import STS
-
     hf = read_hf_config(os.fspath(path))
     sts = trained_for = None
     if hf.get("confidence_temperatures"):
@@ -326,8 +326,6 @@ def save_hf_drafter(
     `sts` (an `STS`) adds its `confidence_temperatures` to config.json and `trained_for` (a
     `TargetId` or its JSON) the target the drafter was trained for (name, layer ids, vocabulary
     hash, shapes); both are extra keys, the released layout's keys are unchanged."""
-    import jax
-
     out_dir = os.fspath(out_dir)
     dtype = dtype or cfg.dtype
     if dtype not in NP_DTYPE:

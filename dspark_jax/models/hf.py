@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -53,6 +54,7 @@ from dspark_jax.models.hf_tokenizer import (  # noqa: F401 (callers import them 
     quiet_transformers,
 )
 from dspark_jax.models.transformer import Transformer
+from dspark_jax.parallel import param_shardings
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -229,8 +231,6 @@ def load_target(
     np_dtype = NP_DTYPE[dtype]
     shardings = None
     if mesh is not None:
-        from dspark_jax.parallel import param_shardings
-
         shardings = dict(nnx.to_flat_state(param_shardings(abstract, mesh)))
 
     by_path = {p: (name, t) for name, (p, _, t) in expected.items()}
@@ -268,7 +268,6 @@ def _normalize_index(index, ndim: int) -> tuple[slice, ...]:
 def to_host(x) -> np.ndarray:
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 

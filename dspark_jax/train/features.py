@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from tqdm.auto import tqdm
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError, FeatureCacheError
@@ -224,8 +225,6 @@ def write_feature_cache(
         todo = todo[:max_chunks]
     bar = None
     if progress and todo:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=len(todo), desc="feature cache", unit="chunk")
     np_dtype = _DTYPES[dtype]
     for c in todo:

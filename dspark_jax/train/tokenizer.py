@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from dspark_jax.io import atomic_write, write_bytes_atomic
 from dspark_jax.models.hf import load_tokenizer, quiet_transformers
 from dspark_jax.templates import CHAT_TEMPLATE
@@ -96,8 +98,6 @@ def read_meta(out_dir: Path) -> dict[str, Any] | None:
 
 
 def _train(texts: list[str], cfg: TokenizerConfig) -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [

@@ -48,6 +48,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from dspark_jax import parallel
 from dspark_jax.config import DrafterConfig, MeshConfig, TargetConfig, TrainConfig
@@ -247,8 +248,6 @@ class Trainer(TrainerSetup):
         pending: list[tuple[int, dict[str, jax.Array]]] = []
         bar = None
         if cfg.progress_bar and self.is_main and end > self.step:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step")
         grad_acc = metric_acc = None
         t0, tokens = time.perf_counter(), 0
