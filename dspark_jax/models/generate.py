@@ -196,40 +196,14 @@ def generate(
         raise ValueError(f"loop must be 'device', 'host' or 'queue', got {loop!r}")
     lens = np.array([len(p) for p in prompts], np.int64)
     max_new = _per_request("max_new_tokens", max_new_tokens, n)
-    if np.any(max_new < 1):
-        raise RequestError(f"max_new_tokens must be >= 1, got {max_new[max_new < 1][:4].tolist()}")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise RequestError(f"request {i} has an empty prompt; give at least one token")
-        a = np.asarray(p)
-        if a.dtype.kind not in "iu" or a.min() < 0 or a.max() >= cfg.vocab_size:
-            raise RequestError(
-                f"prompt {i} must hold integer token ids in [0, {cfg.vocab_size}); got "
-                f"dtype {a.dtype}, range [{a.min()}, {a.max()}]"
-            )
-    max_cache = min(max(length_buckets), cfg.max_position_embeddings)
-    for i in range(n):
-        check_request_fits(
-            prompt_lens=[int(lens[i])], max_new_tokens=int(max_new[i]), max_len=max_cache, cfg=cfg
-        )
+    _check_prompts(cfg, prompts, lens, max_new, length_buckets)
     stop = np.asarray(list(stop_ids), np.int64).reshape(-1)
     if stop.size and (stop.min() < 0 or stop.max() >= cfg.vocab_size):
         raise RequestError(f"stop_ids must lie in [0, {cfg.vocab_size}), got {stop.tolist()}")
     seeds_arr = _per_request("seeds", np.arange(n) if seeds is None else seeds, n)
     if np.any((seeds_arr < 0) | (seeds_arr >= 2**32)):
         raise RequestError("seeds must lie in [0, 2**32)")
-    sp = _as_sampling(sampling, n)
-    if sp is not None and sampling_config is None and SamplingConfig.for_params(sp).greedy:
-        sp = None  # all rows at temperature 0: the static greedy mode gives the same tokens
-    if sp is None:
-        if sampling_config is not None and not sampling_config.greedy:
-            raise ValueError("sampling_config is sampled but sampling=None (greedy) was given")
-        scfg = SamplingConfig(greedy=True)
-    else:
-        scfg = sampling_config or SamplingConfig.for_params(sp)
-        why = scfg.covers(sp)
-        if why:
-            raise ValueError(why)
+    sp, scfg = _sampling_mode(sampling, sampling_config, n)
     if isinstance(key, (int, np.integer)):
         key = jax.random.key(key)
 
@@ -247,6 +221,43 @@ def generate(
         sub = [prompts[i] for i in idx]
         outs.extend(_run_bucket(cfg, params, sub, rows.take(idx), stop_K, key, scfg, buckets, loop))
     return outs
+
+
+def _check_prompts(cfg, prompts, lens, max_new, length_buckets) -> None:
+    """RequestError for a request `generate` cannot run: max_new_tokens < 1, an empty prompt,
+    token ids outside the vocabulary, a prompt plus its new tokens beyond the cache."""
+    if np.any(max_new < 1):
+        raise RequestError(f"max_new_tokens must be >= 1, got {max_new[max_new < 1][:4].tolist()}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise RequestError(f"request {i} has an empty prompt; give at least one token")
+        a = np.asarray(p)
+        if a.dtype.kind not in "iu" or a.min() < 0 or a.max() >= cfg.vocab_size:
+            raise RequestError(
+                f"prompt {i} must hold integer token ids in [0, {cfg.vocab_size}); got "
+                f"dtype {a.dtype}, range [{a.min()}, {a.max()}]"
+            )
+    max_cache = min(max(length_buckets), cfg.max_position_embeddings)
+    for i in range(len(prompts)):
+        check_request_fits(
+            prompt_lens=[int(lens[i])], max_new_tokens=int(max_new[i]), max_len=max_cache, cfg=cfg
+        )
+
+
+def _sampling_mode(sampling, sampling_config, n: int):
+    """(validated per-request knobs or None for greedy, the static SamplingConfig)."""
+    sp = _as_sampling(sampling, n)
+    if sp is not None and sampling_config is None and SamplingConfig.for_params(sp).greedy:
+        sp = None  # all rows at temperature 0: the static greedy mode gives the same tokens
+    if sp is None:
+        if sampling_config is not None and not sampling_config.greedy:
+            raise ValueError("sampling_config is sampled but sampling=None (greedy) was given")
+        return None, SamplingConfig(greedy=True)
+    scfg = sampling_config or SamplingConfig.for_params(sp)
+    why = scfg.covers(sp)
+    if why:
+        raise ValueError(why)
+    return sp, scfg
 
 
 class _HostRows(NamedTuple):
