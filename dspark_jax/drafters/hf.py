@@ -46,9 +46,9 @@ from dspark_jax.drafters.compat import TargetId, check_fits
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.io import atomic_path, write_text_atomic
 from dspark_jax.models.hf import (
-    FLOAT_DTYPES,
     NP_DTYPE,
     SAFETENSORS,
+    check_shapes,
     config_from_hf,
     hf_config_dict,
     read_hf_config,
@@ -239,15 +239,7 @@ def check_drafter_tensors(cfg: DrafterConfig, headers: Mapping, path: str = "<ch
             f"{unexpected[:6]}; check markov_rank / markov_head_type / enable_confidence_head / "
             "num_hidden_layers in config.json"
         )
-    for name, (_, _, shape, _) in expected.items():
-        got, dt = headers[name]
-        if tuple(got) != shape:
-            raise CheckpointError(
-                f"shape mismatch for {name}: the config implies {shape}, checkpoint has "
-                f"{tuple(got)}"
-            )
-        if dt not in FLOAT_DTYPES:
-            raise CheckpointError(f"{name} has dtype {dt}; only float tensors can be loaded")
+    check_shapes({n: shape for n, (_, _, shape, _) in expected.items()}, headers, "the config")
     return expected
 
 

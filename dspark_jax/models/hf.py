@@ -174,15 +174,21 @@ def _check_tensors(cfg: TargetConfig, headers, path: str) -> dict:
             f"unexpected tensors in {path!r} that a {cfg.architecture} model does not have: "
             f"{len(unexpected)}, e.g. {unexpected[:5]}; is config.json for this checkpoint?"
         )
-    for name, (_, shape, _) in expected.items():
+    check_shapes({n: shape for n, (_, shape, _) in expected.items()}, headers, "config.json")
+    return expected
+
+
+def check_shapes(shapes: Mapping[str, tuple], headers: Mapping, source: str) -> None:
+    """CheckpointError unless each tensor of `shapes` has that shape and a float dtype in
+    `headers` (name -> (shape, dtype)); `source` names what implies the shapes."""
+    for name, shape in shapes.items():
         got, dt = headers[name]
-        if got != shape:
+        if tuple(got) != tuple(shape):
             raise CheckpointError(
-                f"shape mismatch for {name}: config.json implies {shape}, checkpoint has {got}"
+                f"shape mismatch for {name}: {source} implies {shape}, checkpoint has {tuple(got)}"
             )
         if dt not in FLOAT_DTYPES:
             raise CheckpointError(f"{name} has dtype {dt}; only float tensors can be loaded")
-    return expected
 
 
 def check_checkpoint(
