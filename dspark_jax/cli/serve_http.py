@@ -6,15 +6,14 @@
     python serve.py export --run-dir runs/tiny --drafter dspark --out ckpt/dspark-tiny
 
 Speculative knobs are fixed per server at start-up: the drafter, the verification policy
-(default Algorithm 1, `alg1`, on DSpark's STS-calibrated confidences) and its cost profile (the
-run's `cost_profile.json`, else `--cost-profile`, else a profile shipped with the package
-(dspark_jax/data/decode_cost*.json, the one measured on the model closest in size), with a warning
+(default Algorithm 1, `alg1`, on DSpark's STS-calibrated confidences) and its cost profile
+(`--cost-profile`, else the run's `cost_profile.json`, else a profile shipped with the package:
+dspark_jax/data/decode_cost*.json, the one measured on the model closest in size, with a warning
 in the log that it was measured on another model).
 
 Imports of engine/, run/, drafters/ and models.hf (jax, transformers, orbax) sit inside the
 functions that use them, on purpose: each costs 1.2-2.5 s to import on the 2-core machine
-(measured), `serve.py bench` (an HTTP client) never needs them, and serve.py imports this module
-before its huge-page re-run (dspark_jax/runtime.py), which must come before jax loads.
+(measured), and `serve.py bench` (an HTTP client) never needs them.
 """
 
 from __future__ import annotations
