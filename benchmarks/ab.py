@@ -45,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs.tiny import config as tiny_config  # noqa: E402
-from dspark_jax import drafters, xla_cpu  # noqa: E402
+from dspark_jax import drafters, runtime, xla_cpu  # noqa: E402
 from dspark_jax.config import DrafterConfig  # noqa: E402
 from dspark_jax.models import generate as gen  # noqa: E402
 from dspark_jax.models import transformer as tf  # noqa: E402
@@ -147,10 +147,10 @@ def xla_cpu_programs():
 
 def threefry_programs():
     """program -> {"current": unrolled, "replaced": JAX's rolled CPU lowering}."""
-    if xla_cpu._release("jax") not in xla_cpu.THREEFRY_CHECKED_JAX:
+    if runtime.release("jax") not in xla_cpu.THREEFRY_CHECKED_JAX:
         fail(f"jax {jax.__version__}: the unrolled lowering is only given on jax releases "
              f"{xla_cpu.THREEFRY_CHECKED_JAX}; nothing to compare")  # fmt: skip
-    if xla_cpu.switched_off(xla_cpu.THREEFRY_ENV):
+    if not runtime.settings().xla_cpu_threefry:
         fail(f"{xla_cpu.THREEFRY_ENV} turns the unrolled lowering off; unset it to compare")
     _, tcfg, tparams, _ = demo_models()
     gamma = tiny_config().drafters.block_size

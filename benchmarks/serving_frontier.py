@@ -57,7 +57,7 @@ def run_prompts(run_dir: str, max_tokens: int) -> list[list[int]]:
     import pathlib
 
     from dspark_jax.run.rundir import RunDir
-    from dspark_jax.train.data_templates import encode_prompt
+    from dspark_jax.templates import encode_prompt
 
     tok = RunDir(run_dir).tokenizer()
     per_domain = []

@@ -2,7 +2,7 @@
 
 Each means "the input is wrong, and the message says how to fix it" (one line naming the field,
 file or request and the change to make). All derive from `ValueError`, so a CLI reports any of
-them as a user error (run/cli.py `user_errors`) and a caller that already catches `ValueError`
+them as a user error (cli/common.py `user_errors`) and a caller that already catches `ValueError`
 keeps working.
 """
 

@@ -8,8 +8,7 @@ imports jax and must run before anything touches devices.
 
 from __future__ import annotations
 
-import os
-
+from dspark_jax import runtime
 from dspark_jax.errors import ConfigError
 
 DISTRIBUTED_HELP = """\
@@ -40,11 +39,12 @@ def init_distributed(
     them and `auto` False this is a single-process run (nothing is initialised). With `auto`,
     JAX detects the cluster (TPU pod slice, SLURM, Open MPI, Kubernetes) for what is not given.
     """
-    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
-    if not num_processes and os.environ.get("JAX_NUM_PROCESSES"):
-        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
-    if process_id < 0 and os.environ.get("JAX_PROCESS_ID"):
-        process_id = int(os.environ["JAX_PROCESS_ID"])
+    env = runtime.settings()
+    coordinator = coordinator or env.coordinator
+    if not num_processes and env.num_processes:
+        num_processes = int(env.num_processes)
+    if process_id < 0 and env.process_id:
+        process_id = int(env.process_id)
     if not (coordinator or auto):
         if num_processes > 1 or process_id >= 0:
             raise ConfigError(

@@ -3,15 +3,12 @@
 A preset in `configs/` returns a `PipelineConfig`; `--set key.sub=value` overrides any field
 through `apply_overrides`, which rejects unknown keys and values that do not parse as the
 field's type. The stages that train hold the library's `TrainConfig` (`target.train`,
-`drafters.train`: `--set drafters.train.learning_rate=1e-3`), not copies of its fields; a key of
-the older flat layout (`drafters.lr`) is refused with the new key, and a run directory's older
-config.json is translated on load (`upgrade_legacy_json`).
+`drafters.train`: `--set drafters.train.learning_rate=1e-3`), not copies of its fields.
 """
 
 from __future__ import annotations
 
 import ast
-import copy
 import dataclasses
 import os
 import typing
@@ -186,63 +183,8 @@ class PipelineConfig:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PipelineConfig:
-        """From `to_json` output, or from an older run directory's flat layout."""
-        return from_json(cls, upgrade_legacy_json(d))
-
-
-# The flat layout before the stages held a TrainConfig: old key -> its TrainConfig field.
-_LEGACY_TRAIN_KEYS = {
-    "target": {
-        "steps": "total_steps", "batch_size": "global_batch_size", "seq_len": "seq_buckets",
-        "lr": "learning_rate", "warmup_frac": "warmup_ratio", "seed": "seed",
-    },
-    "drafters": {
-        "steps": "total_steps", "batch_size": "global_batch_size", "seq_len": "seq_buckets",
-        "lr": "learning_rate", "eval_every": "eval_interval", "seed": "seed",
-        "micro_batch_size": "micro_batch_size", "compute_dtype": "compute_dtype",
-        "target_dtype": "target_dtype", "anchor_chunk": "anchor_chunk",
-    },
-}  # fmt: skip
-_LEGACY_NOTES = {
-    "seq_len": " (a list: e.g. =256)",
-    "eval_every": " (and .checkpoint_interval)",
-    "micro_batch_size": " (and .eval_batch_size)",
-    "batch_size": " (and .micro_batch_size for the target)",
-}
-
-
-def legacy_key_error(key: str) -> ConfigError | None:
-    """The error for a `--set` key of the older flat layout (`drafters.lr`), naming the new key."""
-    sec, _, name = key.partition(".")
-    new = _LEGACY_TRAIN_KEYS.get(sec, {}).get(name)
-    if new is None:
-        return None
-    return ConfigError(
-        f"--set {key}: the key moved to {sec}.train.{new}{_LEGACY_NOTES.get(name, '')} — use "
-        f"--set {sec}.train.{new}=..."
-    )
-
-
-def upgrade_legacy_json(d: dict[str, Any]) -> dict[str, Any]:
-    """An older run directory's config.json (flat `drafters.lr`, `target.steps`, ...) in the
-    current layout, with the values the older code derived from them; current JSON unchanged."""
-    d = copy.deepcopy(d)
-    for sec, keys in _LEGACY_TRAIN_KEYS.items():
-        s = d.get(sec)
-        if not isinstance(s, dict) or "train" in s or not set(s) & set(keys):
-            continue
-        old = {k: s.pop(k) for k in keys if k in s}
-        train = (TARGET_TRAIN if sec == "target" else DRAFTER_TRAIN).to_json()
-        for k, v in old.items():
-            train[keys[k]] = [v] if k == "seq_len" else v
-        if sec == "drafters":
-            micro = old.get("micro_batch_size") or train["global_batch_size"]
-            train.update(micro_batch_size=micro, eval_batch_size=micro)
-            train["checkpoint_interval"] = train["eval_interval"]
-        else:
-            train["micro_batch_size"] = train["global_batch_size"]
-        s["train"] = train
-    return d
+        """From `to_json` output."""
+        return from_json(cls, d)
 
 
 def absolute_paths(cfg: PipelineConfig) -> PipelineConfig:
@@ -299,9 +241,6 @@ def apply_overrides(cfg, overrides: list[str]):
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, value = item.split("=", 1)
-        legacy = legacy_key_error(key.strip())
-        if legacy is not None:
-            raise legacy
         cfg = _set_path(cfg, key.strip().split("."), value.strip(), key)
     return cfg
 

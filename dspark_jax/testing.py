@@ -1,12 +1,22 @@
-"""Tiny deterministic targets and helpers shared by every test and benchmark."""
+"""Tiny deterministic targets, a tiny tokenizer and helpers shared by every test and benchmark."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from dspark_jax.config import RopeScaling, TargetConfig
+from dspark_jax.config import DrafterConfig, RopeScaling, TargetConfig
+from dspark_jax.demo.corpus import sample_text
+from dspark_jax.engine.compiles import CompileCounter as CompileCounter  # the retrace guard
+from dspark_jax.models.hf import load_tokenizer
+from dspark_jax.models.transformer import forward_jit, init_params
+from dspark_jax.train import tokenizer
 
 
 def tiny_target_config(architecture: str = "qwen3", **overrides) -> TargetConfig:
@@ -66,52 +76,9 @@ def positions_like(tokens_BxT, start=0) -> jax.Array:
     return start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
-class CompileCounter:
-    """Counts XLA compilations (and jaxpr traces) while active: the retrace guard for tests.
-
-        with CompileCounter() as cc: ...
-        assert cc.count == 0, cc.names
-
-    `count` is the number of backend compilations (`/jax/core/compile/backend_compile_duration`
-    events); `traces` the number of jaxpr traces, which also catches a retrace whose compilation
-    is served by a persistent compilation cache. Eager jnp ops on new shapes compile too, so keep
-    host-side array building in numpy inside the guarded block.
-    """
-
-    _COMPILE = "/jax/core/compile/backend_compile_duration"
-    _TRACE = "/jax/core/compile/jaxpr_trace_duration"
-
-    def __init__(self):
-        self.count = 0
-        self.traces = 0
-        self.names: list[str] = []
-
-    def _listener(self, event, duration_secs=None, **kwargs):
-        if event == self._COMPILE:
-            self.count += 1
-            self.names.append(str(kwargs.get("fun_name", event)))
-        elif event == self._TRACE:
-            self.traces += 1
-
-    def __enter__(self):
-        from jax import monitoring
-
-        self._cb = self._listener
-        monitoring.register_event_duration_secs_listener(self._cb)
-        return self
-
-    def __exit__(self, *exc):
-        from jax import monitoring
-
-        monitoring.unregister_event_duration_listener(self._cb)
-        return False
-
-
 def tiny_drafter_config(kind: str = "dspark", target=None, **overrides):
     """A drafter for `tiny_target_config()`: 2 layers (Eagle3: 1), γ=4, 8 anchors, r=16,
     mask token 255 (the last embedding row)."""
-    from dspark_jax.config import DrafterConfig
-
     target = target or tiny_target_config()
     base = dict(block_size=4)
     if kind != "eagle3":
@@ -127,8 +94,6 @@ def drafter_batch(
 ):
     """A loss_fn batch from the target itself: random tokens, loss mask off for the first
     `prompt` tokens, online target features and final hidden state."""
-    from dspark_jax.models.transformer import forward_jit
-
     ids = random_tokens(seed, (batch, length), target_cfg.vocab_size - 1)
     out, _ = forward_jit(target_cfg, target_params, ids, positions_like(ids), compute_logits=False)
     mask = jnp.ones((batch, length), jnp.float32).at[:, :prompt].set(0.0)
@@ -143,10 +108,6 @@ def random_params(cfg: TargetConfig, seed: int):
     Norm weights and biases are random too, so a dropped, misnamed or mis-sharded one changes
     the outputs (parity and sharding tests rely on that).
     """
-    from flax import nnx
-
-    from dspark_jax.models.transformer import init_params
-
     rng = np.random.default_rng(seed)
     flat = []
     for path, var in nnx.to_flat_state(jax.eval_shape(lambda: init_params(cfg))):
@@ -157,3 +118,16 @@ def random_params(cfg: TargetConfig, seed: int):
             x = rng.normal(0.0, 0.5 if path[-1] == "bias" else 0.05, shape)
         flat.append((path, var.replace(jnp.asarray(x, jnp.float32))))
     return nnx.from_flat_state(flat)
+
+
+def tiny_tokenizer(cache_dir: str | os.PathLike, vocab_size: int = 512) -> Any:
+    """A small tokenizer for tests, trained once on `corpus.sample_text()` and cached in
+    ``cache_dir/tiny_tokenizer_v{version}_{vocab_size}`` (a second call only loads it)."""
+    out = Path(cache_dir) / f"tiny_tokenizer_v{tokenizer.TOKENIZER_VERSION}_{vocab_size}"
+    meta = tokenizer.read_meta(out)
+    if (
+        meta is not None
+        and meta.get("fingerprint", {}).get("version") == tokenizer.TOKENIZER_VERSION
+    ):
+        return load_tokenizer(out, require_chat_template=True)
+    return tokenizer.train_tokenizer([sample_text()], out, vocab_size, force=True)

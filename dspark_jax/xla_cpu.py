@@ -59,58 +59,48 @@ above and only its prefill, a separate program at batch 1, is compiled without.
 
 from __future__ import annotations
 
-import functools
-import os
-from importlib import metadata
+from collections.abc import Mapping
+
+from dspark_jax import runtime
 
 OPTION = "xla_cpu_experimental_ynn_fusion_type"
 VALUE = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"
 ENGINE_VALUE = ""  # no fusion handed to YNNPACK
 CHECKED_JAXLIB = ((0, 10),)  # (major, minor) releases the option exists in and was measured on
-ENV = "DSPARK_XLA_CPU_TRAINING"
-
-
-@functools.cache  # read once: `generate` asks at every batch-1 call
-def _release(package: str) -> tuple[int, int] | None:
-    try:
-        major, minor = metadata.version(package).split(".")[:2]
-        return int(major), int(minor)
-    except (metadata.PackageNotFoundError, ValueError):
-        return None
+ENV = runtime.XLA_CPU_TRAINING_ENV
+_release = runtime.release
 
 
 def _jaxlib_release() -> tuple[int, int] | None:
     return _release("jaxlib")
 
 
-def switched_off(name: str, environ=os.environ) -> bool:
-    """Whether the environment variable `name` turns its setting off (0 / off / none / false)."""
-    return environ.get(name, "").strip().lower() in ("0", "off", "none", "false")
-
-
-def batch1_decode_compiler_options(environ=os.environ) -> dict[str, str] | None:
+def batch1_decode_compiler_options(
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, str] | None:
     """`compiler_options` for plain decoding's loop at batch 1: the training steps' (above)."""
     return training_compiler_options(environ)
 
 
-def training_compiler_options(environ=os.environ) -> dict[str, str] | None:
+def training_compiler_options(environ: Mapping[str, str] | None = None) -> dict[str, str] | None:
     """`compiler_options` for `jax.jit` of a training step: {OPTION: VALUE}, or None where it
     does not apply (another backend, an unchecked jaxlib, turned off, the user's own setting)."""
     return _given(VALUE, environ)
 
 
-def engine_compiler_options(environ=os.environ) -> dict[str, str] | None:
+def engine_compiler_options(environ: Mapping[str, str] | None = None) -> dict[str, str] | None:
     """`compiler_options` for the serving engine's programs and batch-1 plain prefill:
     {OPTION: ENGINE_VALUE} (no YNNPACK fusions), or None where it does not apply (as above)."""
     return _given(ENGINE_VALUE, environ)
 
 
-def _given(value: str, environ) -> dict[str, str] | None:
-    import jax
+def _given(value: str, environ: Mapping[str, str] | None) -> dict[str, str] | None:
+    import jax  # here: train.py imports this module before its config check, without jax
 
-    if switched_off(ENV, environ):
+    s = runtime.resolve(environ)
+    if not s.xla_cpu_training:
         return None
-    if OPTION in environ.get("XLA_FLAGS", "") or _jaxlib_release() not in CHECKED_JAXLIB:
+    if OPTION in s.xla_flags or _jaxlib_release() not in CHECKED_JAXLIB:
         return None
     if jax.default_backend() != "cpu":
         return None
@@ -120,12 +110,12 @@ def _given(value: str, environ) -> dict[str, str] | None:
 # ---------------------------------------------------------------------------------------------
 # threefry on CPU
 
-THREEFRY_ENV = "DSPARK_XLA_CPU_THREEFRY"
+THREEFRY_ENV = runtime.XLA_CPU_THREEFRY_ENV
 THREEFRY_CHECKED_JAX = ((0, 10),)  # jax releases whose private lowering API this was checked on
 _threefry_on = False
 
 
-def unrolled_threefry(environ=os.environ) -> bool:
+def unrolled_threefry(environ: Mapping[str, str] | None = None) -> bool:
     """Lower JAX's threefry2x32 hash (behind every `jax.random` draw) on the CPU backend as
     straight-line code, the lowering JAX itself uses on the other backends, instead of its CPU
     default: a rolled 5-iteration loop of small array ops. Every draw is bit for bit the same
@@ -142,7 +132,7 @@ def unrolled_threefry(environ=os.environ) -> bool:
     global _threefry_on
     if _threefry_on:
         return True
-    if switched_off(THREEFRY_ENV, environ):
+    if not runtime.resolve(environ).xla_cpu_threefry:
         return False
     if _release("jax") not in THREEFRY_CHECKED_JAX:
         return False

@@ -51,7 +51,7 @@ def bad_files(tmp_path_factory):
     [
         (["--set", "nope=1"], "unknown config key 'nope'"),
         (["--set", "drafters.train.total_steps=abc"], "cannot parse"),
-        (["--set", "drafters.steps=3"], "moved to drafters.train.total_steps"),
+        (["--set", "drafters.steps=3"], "unknown config key 'drafters.steps'"),
         (["--set", "evaluate.temperature=-1"], "evaluate.temperature=-1.0 is out of range"),
         (["--set", "drafters.markov_head_type=gatd"], "markov_head_type='gatd' is unknown"),
         (["--set", "data.eval_prompt_files=/no/such.jsonl"], "does not exist"),

@@ -8,11 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dspark_jax.compile_cache import ENV, cache_dir
+from dspark_jax import runtime
+from dspark_jax.runtime import CACHE_ENV as ENV
 
 CHILD = """
 import time, jax, jax.numpy as jnp
-from dspark_jax.compile_cache import enable_compilation_cache
+from dspark_jax.runtime import enable_compilation_cache
 print(enable_compilation_cache())
 hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
@@ -22,15 +23,14 @@ print(sum("cache_hits" in h for h in hits))
 """
 
 
-def test_cache_dir_from_the_environment(monkeypatch, tmp_path):
-    monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert cache_dir() == tmp_path / "dspark-jax" / "xla"
+def test_cache_dir_from_the_environment(tmp_path):
+    def cache_dir(**env):
+        return runtime.read(env).compilation_cache
+
+    assert cache_dir(XDG_CACHE_HOME=str(tmp_path)) == tmp_path / "dspark-jax" / "xla"
     for off in ("off", "0", "none", ""):
-        monkeypatch.setenv(ENV, off)
-        assert cache_dir() is None
-    monkeypatch.setenv(ENV, str(tmp_path / "mine"))
-    assert cache_dir() == tmp_path / "mine"
+        assert cache_dir(XDG_CACHE_HOME=str(tmp_path), **{ENV: off}) is None
+    assert cache_dir(**{ENV: str(tmp_path / "mine")}) == tmp_path / "mine"
 
 
 def test_a_second_process_reads_the_cache(tmp_path):

@@ -132,8 +132,9 @@ def test_sample_text_is_deterministic_and_covers_domains():
 
 
 def test_loss_mask_covers_exactly_the_answers(small, tmp_path_factory):
-    from dspark_jax.train.data_templates import RenderConfig, encode_conversations
-    from dspark_jax.train.tokenizer import tiny_tokenizer
+    from dspark_jax.templates import RenderConfig
+    from dspark_jax.testing import tiny_tokenizer
+    from dspark_jax.train.data import encode_conversations
 
     tok = tiny_tokenizer(tmp_path_factory.getbasetemp() / "tok_cache")
     train, _ = _read_all(small)

@@ -13,11 +13,15 @@ from hypothesis import strategies as st
 
 from dspark_jax.errors import DataError
 from dspark_jax.io import atomic_write
+from dspark_jax.templates import RenderConfig, assistant_char_spans, encode_prompt, format_prompt
+from dspark_jax.testing import tiny_tokenizer
 from dspark_jax.train.data import (
     Conversation,
     Prompt,
     ReadStats,
     TokenizedSample,
+    encode_conversation,
+    encode_conversations,
     read_conversations,
     read_prompts,
     select_prompts,
@@ -26,16 +30,7 @@ from dspark_jax.train.data import (
     write_prompts,
 )
 from dspark_jax.train.data_packing import make_batches, pad_to_bucket
-from dspark_jax.train.data_templates import (
-    RenderConfig,
-    assistant_char_spans,
-    encode_conversation,
-    encode_conversations,
-    encode_prompt,
-    format_prompt,
-)
 from dspark_jax.train.data_tfds import read_tfds
-from dspark_jax.train.tokenizer import tiny_tokenizer
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
 EOT = "<|im_end|>\n"

@@ -1,4 +1,4 @@
-"""`dspark_jax.hugepages`: when the scripts re-run themselves with glibc's huge-page tunable, that
+"""`dspark_jax.runtime`'s huge pages: when the scripts re-run themselves with glibc's huge-page tunable, that
 the re-run happens once with the same arguments, and that it takes the page faults out of a
 program whose temporary buffers are large (what it is for)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_jax import hugepages as hp
+from dspark_jax import runtime as hp
 
 ROOT = Path(__file__).resolve().parents[1]
 LINUX = dict(platform="linux", glibc=(2, 36), thp="madvise")
@@ -49,7 +49,7 @@ def _run(code: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def _clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hp.ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hp.HUGEPAGES_ENV)}
     env["PYTHONPATH"] = str(ROOT)
     return {**env, **extra}
 
@@ -64,7 +64,7 @@ def test_rerun_happens_once_with_the_same_arguments():
     code = (
         "import os, sys\n"
         "print('start', os.getpid(), flush=True)\n"
-        "from dspark_jax.hugepages import rerun_with_hugepages\n"
+        "from dspark_jax.runtime import rerun_with_hugepages\n"
         "rerun_with_hugepages()\n"
         "print('args', sys.argv[1:], os.environ['GLIBC_TUNABLES'], os.getpid())\n"
     )
@@ -82,7 +82,7 @@ def test_rerun_happens_once_with_the_same_arguments():
 
 FAULTS = (
     "import resource, jax, jax.numpy as jnp\n"
-    "from dspark_jax.hugepages import rerun_with_hugepages\n"
+    "from dspark_jax.runtime import rerun_with_hugepages\n"
     "rerun_with_hugepages()\n"
     "@jax.jit\n"
     "def f(x):  # ~200 MB of temporaries per call\n"
@@ -101,7 +101,7 @@ FAULTS = (
 def test_huge_pages_take_the_page_faults_out_of_large_temporaries():
     env = _clean_env(JAX_PLATFORMS="cpu", DSPARK_COMPILATION_CACHE="off")
     on = _run(FAULTS, env)
-    off = _run(FAULTS, {**env, hp.ENV: "off"})
+    off = _run(FAULTS, {**env, hp.HUGEPAGES_ENV: "off"})
     assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
     faults_on, faults_off = int(on.stdout.split()[-1]), int(off.stdout.split()[-1])
     # 4 KiB pages: tens of thousands of faults per call; huge pages: a few hundred

@@ -123,8 +123,7 @@ import jax
 from dspark_jax.launch import init_distributed
 init_distributed(sys.argv[1], 2, int(sys.argv[2]))
 from dspark_jax.run.staged import StagedRun
-sys.path.insert(0, sys.argv[4])
-from train import load_config
+from dspark_jax.cli.train import load_config
 
 class Toy(StagedRun):
     def _corpus_needed(self):

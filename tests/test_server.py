@@ -18,8 +18,8 @@ from dspark_jax.engine.server_run import serve_in_thread
 from dspark_jax.engine.serving import ServingEngine
 from dspark_jax.models import init_params
 from dspark_jax.models.generate import generate
-from dspark_jax.testing import tiny_drafter_config, tiny_target_config
-from dspark_jax.train.tokenizer import special_token_ids, tiny_tokenizer
+from dspark_jax.testing import tiny_drafter_config, tiny_target_config, tiny_tokenizer
+from dspark_jax.train.tokenizer import special_token_ids
 
 MODEL = "dspark-tiny"
 MAX_LEN = 128
@@ -284,7 +284,7 @@ def test_full_queue_is_429_and_abandoned_requests_leave_the_queue(tok, target):
 def test_reduced_load_test(live):
     import asyncio
 
-    from dspark_jax.engine.server_load import run_load
+    from dspark_jax.eval.load_test import run_load
 
     res = asyncio.run(run_load(live[0], requests=100, concurrencies=(1, 4, 8), seed=1))
     s = res["summary"]

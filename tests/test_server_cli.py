@@ -14,23 +14,22 @@ import jax
 import pytest
 
 from dspark_jax import drafters
+from dspark_jax.cli import serve_http
 from dspark_jax.drafters.compat import TargetId, vocab_hash
 from dspark_jax.drafters.hf import load_hf_drafter_extras, save_hf_drafter
-from dspark_jax.engine import server_cli
 from dspark_jax.models import init_params
 from dspark_jax.models.hf import save_target_hf
 from dspark_jax.pipeline_config import PipelineConfig
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.sched.policies import CausalGreedy, FixedGamma
 from dspark_jax.sched.sts import STS
-from dspark_jax.testing import tiny_drafter_config, tiny_target_config
+from dspark_jax.testing import tiny_drafter_config, tiny_target_config, tiny_tokenizer
 from dspark_jax.train.checkpoint import Checkpointer
-from dspark_jax.train.tokenizer import tiny_tokenizer
 
 
 def _args(*argv):
     ap = argparse.ArgumentParser()
-    server_cli.add_subcommands(ap.add_subparsers(dest="cmd", required=True))
+    serve_http.add_subcommands(ap.add_subparsers(dest="cmd", required=True))
     return ap.parse_args(list(argv))
 
 
@@ -64,7 +63,7 @@ def test_checkpoints_load_with_alg1_and_the_fallback_is_logged(ckpts, caplog):
     args = _args("serve", "--target", target, "--drafter", drafter["dspark"], "--num-slots", "2",
                  "--max-len", "128", "--model-name", "m")  # fmt: skip
     with caplog.at_level(logging.INFO, logger="dspark.serve"):
-        engine, tok, stop_ids, name = server_cli.build_engine(args)
+        engine, tok, stop_ids, name = serve_http.build_engine(args)
     assert name == "m" and engine.num_slots == 2 and engine.max_len == 128
     assert isinstance(engine.scheduler.policy, CausalGreedy)
     assert 2 in stop_ids  # <|im_end|>
@@ -78,7 +77,7 @@ def test_drafter_without_confidences_defaults_to_fixed(ckpts, caplog):
     args = _args("serve", "--target", target, "--drafter", drafter["dflash"], "--num-slots", "1",
                  "--max-len", "64")  # fmt: skip
     with caplog.at_level(logging.INFO, logger="dspark.serve"):
-        engine, *_ = server_cli.build_engine(args)
+        engine, *_ = serve_http.build_engine(args)
     assert isinstance(engine.scheduler.policy, FixedGamma)
     assert "no confidences" in caplog.text
 
@@ -87,9 +86,9 @@ def test_drafter_checkpoint_with_temperatures_serves_them(ckpts, caplog):
     target, drafter = ckpts
     args = _args("serve", "--target", target, "--drafter", drafter["cal"], "--policy", "alg1",
                  "--num-slots", "1", "--max-len", "64")  # fmt: skip
-    assert server_cli._load(args)[6] == STS((0.5, 2.0, 1.5, 3.0))
+    assert serve_http._load(args)[6] == STS((0.5, 2.0, 1.5, 3.0))
     with caplog.at_level(logging.INFO, logger="dspark.serve"):
-        engine, *_ = server_cli.build_engine(args)
+        engine, *_ = serve_http.build_engine(args)
     assert isinstance(engine.scheduler.policy, CausalGreedy)
     assert "confidence_temperatures" in caplog.text and "uncalibrated" not in caplog.text
 
@@ -97,7 +96,7 @@ def test_drafter_checkpoint_with_temperatures_serves_them(ckpts, caplog):
 def test_drafter_for_another_tokenizer_is_one_line(ckpts, capsys):
     target, drafter = ckpts
     args = _args("serve", "--target", target, "--drafter", drafter["other_vocab"])
-    assert server_cli.run(args) == 2
+    assert serve_http.run(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "vocabulary hash" in err and "\n" not in err
 
@@ -130,12 +129,12 @@ def test_export_writes_a_drafter_that_serves_with_its_calibration(ckpts, tmp_pat
     target, _ = ckpts
     params, tid = _fake_run(tmp_path / "run", target)
     out = tmp_path / "export"
-    assert server_cli.run(_args("export", "--run-dir", str(tmp_path / "run"),
+    assert serve_http.run(_args("export", "--run-dir", str(tmp_path / "run"),
                                 "--out", str(out))) == 0  # fmt: skip
     assert str(out) in capsys.readouterr().out
     assert load_hf_drafter_extras(out) == (STS((0.75, 1.5, 2.5, 4.0)), tid)
     args = _args("serve", "--target", target, "--drafter", str(out))
-    *_, dparams, sts, _, _, _ = server_cli._load(args)
+    *_, dparams, sts, _, _, _ = serve_http._load(args)
     assert sts == STS((0.75, 1.5, 2.5, 4.0))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(dparams)):
         assert (a == b).all()
@@ -146,7 +145,7 @@ def test_export_writes_a_drafter_that_serves_with_its_calibration(ckpts, tmp_pat
         (["--run-dir", str(tmp_path / "run"), "--drafter", "eagle3", "--out",
           str(tmp_path / "y")], "no trained eagle3 drafter"),
     ]:  # fmt: skip
-        assert server_cli.run(_args("export", *argv)) == 2
+        assert serve_http.run(_args("export", *argv)) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and needle in err and "\n" not in err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
@@ -162,6 +161,6 @@ def test_export_writes_a_drafter_that_serves_with_its_calibration(ckpts, tmp_pat
     ],
 )
 def test_user_errors_are_one_line_exit_2(argv, needle, capsys):
-    assert server_cli.run(_args(*argv)) == 2
+    assert serve_http.run(_args(*argv)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and needle in err and "\n" not in err

@@ -22,7 +22,7 @@ from dspark_jax.engine.server_run import run_server
 from dspark_jax.engine.serving import ServingEngine
 from dspark_jax.models import init_params
 from dspark_jax.testing import tiny_drafter_config, tiny_target_config
-from dspark_jax.train.tokenizer import tiny_tokenizer
+from dspark_jax.testing import tiny_tokenizer
 
 tok = tiny_tokenizer(sys.argv[2])
 tcfg = tiny_target_config(vocab_size=512)

@@ -13,7 +13,7 @@ from dspark_jax.engine.http_protocol import (
     parse_body,
 )
 from dspark_jax.engine.http_text import IncrementalDetokenizer, StopStrings
-from dspark_jax.train.tokenizer import tiny_tokenizer
+from dspark_jax.testing import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 
 from dspark_jax.errors import CheckpointError
 from dspark_jax.models.hf import load_tokenizer
+from dspark_jax.templates import CHAT_TEMPLATE
+from dspark_jax.testing import tiny_tokenizer
 from dspark_jax.train.tokenizer import (
-    CHAT_TEMPLATE,
     SPECIAL_TOKENS,
     special_token_ids,
-    tiny_tokenizer,
     train_tokenizer,
 )
 

@@ -172,7 +172,7 @@ def test_best_checkpoint_follows_simulated_tau_not_loss(tmp_path, monkeypatch):
             {"loss": 1.0, "accept_rate": np.array([0.7]), "sim_tau": 1.7},
         ]
     )
-    monkeypatch.setattr(trainer_mod, "summarize", lambda sums, n: next(scripted))
+    monkeypatch.setattr(trainer_mod, "heldout_summary", lambda sums, n: next(scripted))
     t = toy_trainer(tmp_path / "run", base_config(total_steps=3, eval_interval=1), n_eval=2)
     res = t.run()
     assert [e.get("best", False) for e in res.evals] == [True, True, False]

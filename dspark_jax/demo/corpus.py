@@ -30,6 +30,7 @@ import random
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from pydoc_data.topics import topics as pydoc_topics
 from typing import Any
 
 from dspark_jax.demo.corpus_config import (
@@ -88,8 +89,6 @@ def generate_corpus(cfg: CorpusConfig) -> tuple[list[Conversation], dict[str, li
     contributes a training chat; math held-out problems come from another random stream and
     never repeat a training question.
     """
-    from pydoc_data.topics import topics as pydoc_topics
-
     by_rel = dict(stdlib_files(cfg.max_file_bytes))
     rels = _cap_sources(list(by_rel), cfg.max_code_files, _rng(cfg.seed, "cap", "code"))
     code = _by_source(code_chats([(r, by_rel[r]) for r in rels], cfg, "chats"))
@@ -205,7 +204,6 @@ def sample_text(max_chars: int = 200_000, seed: int = 0) -> str:
     rng = _rng(seed, "sample-text")
     picked = sorted(rng.sample(range(len(files)), min(cfg.max_code_files, len(files))))
     convs = code_chats([files[i] for i in picked], cfg, "sample")
-    from pydoc_data.topics import topics as pydoc_topics
 
     topics = sorted(rng.sample(sorted(pydoc_topics), min(cfg.max_prose_topics, len(pydoc_topics))))
     convs += prose_chats(topics, cfg, "sample") + math_chats(cfg.n_math, seed, "sample")

@@ -11,6 +11,7 @@ import sysconfig
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from pydoc_data.topics import topics as pydoc_topics
 
 from dspark_jax.demo.corpus_config import CorpusConfig, _cut_text, _rng
 from dspark_jax.train.data import Conversation
@@ -230,8 +231,6 @@ def prose_chats(topics: list[str], cfg: CorpusConfig, stream: str) -> list[Conve
     """Prose chats from pydoc topics; a share of them continue with a second user turn.
 
     Each topic's chats depend only on (seed, stream, topic)."""
-    from pydoc_data.topics import topics as pydoc_topics
-
     out = []
     for topic in topics:
         rng = _rng(cfg.seed, "prose", stream, topic)

@@ -30,6 +30,14 @@ class Proposal(NamedTuple):
     conf_logits: jax.Array | None  # [B, γ] fp32 confidence logits ρ (DSpark only)
 
 
+def shift_left(x_BxT: jax.Array, k: int, fill=0) -> jax.Array:
+    """x[:, t + k] along the sequence axis (axis 1), `fill` past the end."""
+    if k == 0:
+        return x_BxT
+    pad = jnp.full((x_BxT.shape[0], k, *x_BxT.shape[2:]), fill, x_BxT.dtype)
+    return jnp.concatenate([x_BxT[:, k:], pad], axis=1)
+
+
 def embed(frozen_table_VxH: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take(frozen_table_VxH, tokens, axis=0)
 

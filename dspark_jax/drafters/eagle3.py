@@ -27,6 +27,7 @@ from dspark_jax.drafters.common import (
     embed,
     lm_logits,
     sampling_probs,
+    shift_left,
 )
 from dspark_jax.models.layers import MLP, Attention, Linear, RMSNorm, attend, dtype_of, normal_init
 
@@ -73,13 +74,6 @@ class Eagle3Drafter(nnx.Module):
         return lm_logits(self.lm_head[...], self.norm(g))
 
 
-def _shift_left(x_BxT, k: int):
-    """x[:, t + k], zero-filled past the end."""
-    if k == 0:
-        return x_BxT
-    return jnp.concatenate([x_BxT[:, k:], jnp.zeros_like(x_BxT[:, :k])], axis=1)
-
-
 def ttt_hidden(model: Eagle3Drafter, features_BxTxF, input_ids_BxT, valid_len_B):
     """Training-time test (REFERENCE §5.2): per step k = 0..γ−1 the pre-norm output g^{k+1}
     [γ, B, T, H].
@@ -99,7 +93,7 @@ def ttt_hidden(model: Eagle3Drafter, features_BxTxF, input_ids_BxT, valid_len_B)
     k0 = v0 = None
     diag_k, diag_v, outs = [], [], []
     for k in range(cfg.block_size):
-        x = layer.inputs(embed(model.embed_tokens[...], _shift_left(input_ids_BxT, k + 1)), g)
+        x = layer.inputs(embed(model.embed_tokens[...], shift_left(input_ids_BxT, k + 1)), g)
         q, kk, vv = attn.qkv(x, pos0 + k)  # q [B, T, n_q, d], kk/vv [B, n_kv, T, d]
         if k == 0:
             k0, v0 = kk, vv

@@ -32,6 +32,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -45,9 +46,9 @@ from dspark_jax.drafters.compat import TargetId, check_fits
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.io import atomic_path, write_text_atomic
 from dspark_jax.models.hf import (
-    FLOAT_DTYPES,
     NP_DTYPE,
     SAFETENSORS,
+    check_shapes,
     config_from_hf,
     hf_config_dict,
     read_hf_config,
@@ -55,6 +56,7 @@ from dspark_jax.models.hf import (
     to_host,
     weight_files,
 )
+from dspark_jax.sched.sts import STS
 
 _ARCH_PREFIX = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -237,15 +239,7 @@ def check_drafter_tensors(cfg: DrafterConfig, headers: Mapping, path: str = "<ch
             f"{unexpected[:6]}; check markov_rank / markov_head_type / enable_confidence_head / "
             "num_hidden_layers in config.json"
         )
-    for name, (_, _, shape, _) in expected.items():
-        got, dt = headers[name]
-        if tuple(got) != shape:
-            raise CheckpointError(
-                f"shape mismatch for {name}: the config implies {shape}, checkpoint has "
-                f"{tuple(got)}"
-            )
-        if dt not in FLOAT_DTYPES:
-            raise CheckpointError(f"{name} has dtype {dt}; only float tensors can be loaded")
+    check_shapes({n: shape for n, (_, _, shape, _) in expected.items()}, headers, "the config")
     return expected
 
 
@@ -297,8 +291,6 @@ def load_hf_drafter_extras(path: str | os.PathLike):
     """`(STS | None, TargetId | None)`: the calibration temperatures and the target a drafter
     checkpoint's config.json records (`save_hf_drafter(..., sts=, trained_for=)`); None for
     what it does not record (e.g. a released checkpoint)."""
-    from dspark_jax.sched.sts import STS
-
     hf = read_hf_config(os.fspath(path))
     sts = trained_for = None
     if hf.get("confidence_temperatures"):
@@ -326,8 +318,6 @@ def save_hf_drafter(
     `sts` (an `STS`) adds its `confidence_temperatures` to config.json and `trained_for` (a
     `TargetId` or its JSON) the target the drafter was trained for (name, layer ids, vocabulary
     hash, shapes); both are extra keys, the released layout's keys are unchanged."""
-    import jax
-
     out_dir = os.fspath(out_dir)
     dtype = dtype or cfg.dtype
     if dtype not in NP_DTYPE:

@@ -1,12 +1,17 @@
-"""Counting an engine's XLA compilations with JAX's public monitoring events.
+"""Counting XLA compilations with JAX's public monitoring events: the one counter behind an
+engine's compile count (`CompileTally`) and the tests' retrace guard (`CompileCounter`).
 
 JAX reports every backend compilation as the duration event
-`/jax/core/compile/backend_compile_duration` (`jax.monitoring`), synchronously, on the thread that
-triggered it. One process-wide listener forwards each event to the `CompileTally` active on that
-thread, so an engine that runs its device calls inside `with tally:` counts exactly the
-compilations its own calls caused: a new shape or static argument (a retrace) and also a
-recompilation without a retrace (e.g. committed vs uncommitted inputs). Programs another engine
-already compiled are cache hits and are not counted.
+`/jax/core/compile/backend_compile_duration` and every jaxpr trace as
+`/jax/core/compile/jaxpr_trace_duration` (`jax.monitoring`), synchronously, on the thread that
+triggered it. One process-wide listener forwards each event to
+
+* the `CompileTally` active on that thread (the innermost one), so an engine that runs its device
+  calls inside `with tally:` counts exactly the compilations its own calls caused: a new shape or
+  static argument (a retrace) and also a recompilation without a retrace (e.g. committed vs
+  uncommitted inputs). Programs another engine already compiled are cache hits, not counted;
+* every active `CompileCounter`, whatever thread compiled: a test's guard sees the compilations
+  of an engine's worker thread and of an engine's own tally alike.
 """
 
 from __future__ import annotations
@@ -16,18 +21,21 @@ import threading
 from jax import monitoring
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 
 _local = threading.local()
 _lock = threading.Lock()
 _registered = False
+_process_wide: list[CompileTally] = []  # active CompileCounters
 
 
 def _listener(event, duration_secs=None, **kwargs):
-    if event != COMPILE_EVENT:
+    if event not in (COMPILE_EVENT, TRACE_EVENT):
         return
     tally = getattr(_local, "tally", None)
-    if tally is not None:
-        tally._add(str(kwargs.get("fun_name", "?")))
+    targets = ([tally] if tally is not None else []) + list(_process_wide)
+    for t in targets:
+        t._add(event, str(kwargs.get("fun_name", "?")))
 
 
 def _register() -> None:
@@ -45,19 +53,26 @@ class CompileTally:
         tally = CompileTally()
         with tally:
             jitted(x)
-        tally.count, tally.names
+        tally.count, tally.names, tally.traces
+
+    `count`: backend compilations; `names`: their functions; `traces`: jaxpr traces, which also
+    catch a retrace whose compilation a persistent compilation cache served.
     """
 
     def __init__(self):
         _register()
         self.count = 0
+        self.traces = 0
         self.names: list[str] = []
         self._count_lock = threading.Lock()
 
-    def _add(self, name: str) -> None:
+    def _add(self, event: str, name: str) -> None:
         with self._count_lock:
-            self.count += 1
-            self.names.append(name)
+            if event == TRACE_EVENT:
+                self.traces += 1
+            else:
+                self.count += 1
+                self.names.append(name)
 
     def __enter__(self):
         stack = getattr(_local, "stack", None)
@@ -71,12 +86,23 @@ class CompileTally:
         _local.tally = _local.stack.pop()
         return False
 
-    def wrap(self, fn):
-        """`fn` whose calls count into this tally."""
 
-        def counted(*args, **kwargs):
-            with self:
-                return fn(*args, **kwargs)
+class CompileCounter(CompileTally):
+    """Every compilation (and jaxpr trace) in the process while active, on any thread: the
+    retrace guard for tests and benchmarks.
 
-        counted.__wrapped__ = fn
-        return counted
+        with CompileCounter() as cc: ...
+        assert cc.count == 0, cc.names
+
+    Eager jnp ops on new shapes compile too, so keep host-side array building in numpy inside
+    the guarded block."""
+
+    def __enter__(self):
+        with _lock:
+            _process_wide.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        with _lock:
+            _process_wide.remove(self)
+        return False

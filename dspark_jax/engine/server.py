@@ -102,6 +102,13 @@ def create_app(
 
     app = FastAPI(title="dspark-jax", lifespan=lifespan)
     app.state.server = st
+    _add_error_handlers(app)
+    _add_routes(app, st)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI-style JSON error body."""
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -114,6 +121,10 @@ def create_app(
     @app.exception_handler(Exception)
     async def _internal(request, exc):
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _add_routes(app: FastAPI, st: _State) -> None:
+    """/health, /v1/models, /metrics, /v1/completions and /v1/chat/completions."""
 
     @app.get("/health")
     async def health():
@@ -158,8 +169,6 @@ def create_app(
                                        param="messages")) from None  # fmt: skip
         ids = st.tok(text, add_special_tokens=False)["input_ids"]
         return await _serve(st, request, req, ids, chat=True)
-
-    return app
 
 
 def _reject(st: _State, err: APIError) -> APIError:

@@ -210,7 +210,7 @@ def _pooled_curve(per_ds: dict, key: str) -> list:
 
 def plot_report(table: dict, per_drafter: dict, path) -> bool:
     """τ bars per dataset and conditional-acceptance curves; False if matplotlib is missing."""
-    try:
+    try:  # 0.7 s to import (measured): only the report's figures need it
         import matplotlib
 
         matplotlib.use("Agg")

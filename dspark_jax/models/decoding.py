@@ -10,7 +10,8 @@ batch nor on padding.
 Building blocks: `prefill` / `prefill_jit` (prompt K/V and the last prompt token's logits),
 `extend` / `extend_jit` (T new tokens per row from each row's committed length, verification
 style, not committed), `token_keys` and `sample_tokens`; `start` (prefill + first token) and
-`decode_step` / `_decode_loop` (one step / the `lax.while_loop` of them).
+`decode_step` / `_decode_loop` (one step / the `lax.while_loop` of them); `bucket_size` and
+`PAD_TOKEN`, the host's shape rule for the batches these take.
 
 Shapes are written as suffixes: B batch (bucket), P prompt bucket, S cache length, T new tokens,
 V vocab, K stop ids.
@@ -18,13 +19,16 @@ V vocab, K stop ids.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.buckets import bucket_up, pow2_bucket
 from dspark_jax.config import TargetConfig
+from dspark_jax.errors import RequestError
 from dspark_jax.models import transformer as tf
 from dspark_jax.spec.sampling import (
     SamplingConfig,
@@ -32,6 +36,19 @@ from dspark_jax.spec.sampling import (
     gumbel_noise,
     sample_transformed,
 )
+
+PAD_TOKEN = 0  # what fills a prompt bucket past a row's length (never attended to)
+
+
+def bucket_size(n: int, buckets: Sequence[int], what: str = "size") -> int:
+    """The smallest bucket >= n; RequestError if n exceeds the largest one."""
+    b = bucket_up(n, buckets)
+    if b is not None:
+        return b
+    raise RequestError(
+        f"{what} {n} exceeds the largest bucket {max(buckets)}; pass larger buckets "
+        f"(e.g. {what.split()[0]}_buckets=(..., {pow2_bucket(n, 1)}))"
+    )
 
 
 def _lm_logits(cfg: TargetConfig, params: nnx.State, hidden_BxTxH: jax.Array) -> jax.Array:

@@ -41,15 +41,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.buckets import GENERATE_BATCH_BUCKETS, GENERATE_LENGTH_BUCKETS, bucket_up
+from dspark_jax.buckets import GENERATE_BATCH_BUCKETS, GENERATE_LENGTH_BUCKETS, pow2_bucket
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import RequestError
 
 # the device-side contract, re-exported: generate's public API has always included it
 from dspark_jax.models.decoding import (
+    PAD_TOKEN,
     DecodeRequest,
     DecodeState,
     _decode_loop,
+    bucket_size,
     decode_step,
     decode_step_jit,
     extend,
@@ -62,6 +64,7 @@ from dspark_jax.models.decoding import (
     start_jit,
     token_keys,
 )
+from dspark_jax.models.generate_queue import run_queue
 from dspark_jax.models.validate import check_request_fits
 from dspark_jax.spec.sampling import (
     SamplingConfig,
@@ -92,19 +95,7 @@ __all__ = [
 
 DEFAULT_BATCH_BUCKETS = GENERATE_BATCH_BUCKETS
 DEFAULT_LENGTH_BUCKETS = GENERATE_LENGTH_BUCKETS  # 16 ... 32768
-_PAD_TOKEN = 0
 _MIN_STOP_BUCKET = 4
-
-
-def bucket_size(n: int, buckets: Sequence[int], what: str = "size") -> int:
-    """The smallest bucket >= n; RequestError if n exceeds the largest one."""
-    b = bucket_up(n, buckets)
-    if b is not None:
-        return b
-    raise RequestError(
-        f"{what} {n} exceeds the largest bucket {max(buckets)}; pass larger buckets "
-        f"(e.g. {what.split()[0]}_buckets=(..., {1 << max(n - 1, 0).bit_length()}))"
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,6 +196,36 @@ def generate(
         raise ValueError(f"loop must be 'device', 'host' or 'queue', got {loop!r}")
     lens = np.array([len(p) for p in prompts], np.int64)
     max_new = _per_request("max_new_tokens", max_new_tokens, n)
+    _check_prompts(cfg, prompts, lens, max_new, length_buckets)
+    stop = np.asarray(list(stop_ids), np.int64).reshape(-1)
+    if stop.size and (stop.min() < 0 or stop.max() >= cfg.vocab_size):
+        raise RequestError(f"stop_ids must lie in [0, {cfg.vocab_size}), got {stop.tolist()}")
+    seeds_arr = _per_request("seeds", np.arange(n) if seeds is None else seeds, n)
+    if np.any((seeds_arr < 0) | (seeds_arr >= 2**32)):
+        raise RequestError("seeds must lie in [0, 2**32)")
+    sp, scfg = _sampling_mode(sampling, sampling_config, n)
+    if isinstance(key, (int, np.integer)):
+        key = jax.random.key(key)
+
+    k_stop = pow2_bucket(stop.size, _MIN_STOP_BUCKET)
+    stop_K = np.full((k_stop,), -1, np.int32)
+    stop_K[: stop.size] = stop
+    rows = _HostRows(lens, max_new, seeds_arr, None if sp is None else [np.asarray(f) for f in sp])
+    buckets = (tuple(batch_buckets), tuple(length_buckets))
+    chunk = max(batch_buckets)
+    if loop == "queue":
+        return run_queue(cfg, params, prompts, rows, stop_K, key, scfg, buckets)[0]
+    outs: list[list[int]] = []
+    for lo in range(0, n, chunk):
+        idx = np.arange(lo, min(lo + chunk, n))
+        sub = [prompts[i] for i in idx]
+        outs.extend(_run_bucket(cfg, params, sub, rows.take(idx), stop_K, key, scfg, buckets, loop))
+    return outs
+
+
+def _check_prompts(cfg, prompts, lens, max_new, length_buckets) -> None:
+    """RequestError for a request `generate` cannot run: max_new_tokens < 1, an empty prompt,
+    token ids outside the vocabulary, a prompt plus its new tokens beyond the cache."""
     if np.any(max_new < 1):
         raise RequestError(f"max_new_tokens must be >= 1, got {max_new[max_new < 1][:4].tolist()}")
     for i, p in enumerate(prompts):
@@ -217,47 +238,26 @@ def generate(
                 f"dtype {a.dtype}, range [{a.min()}, {a.max()}]"
             )
     max_cache = min(max(length_buckets), cfg.max_position_embeddings)
-    for i in range(n):
+    for i in range(len(prompts)):
         check_request_fits(
             prompt_lens=[int(lens[i])], max_new_tokens=int(max_new[i]), max_len=max_cache, cfg=cfg
         )
-    stop = np.asarray(list(stop_ids), np.int64).reshape(-1)
-    if stop.size and (stop.min() < 0 or stop.max() >= cfg.vocab_size):
-        raise RequestError(f"stop_ids must lie in [0, {cfg.vocab_size}), got {stop.tolist()}")
-    seeds_arr = _per_request("seeds", np.arange(n) if seeds is None else seeds, n)
-    if np.any((seeds_arr < 0) | (seeds_arr >= 2**32)):
-        raise RequestError("seeds must lie in [0, 2**32)")
+
+
+def _sampling_mode(sampling, sampling_config, n: int):
+    """(validated per-request knobs or None for greedy, the static SamplingConfig)."""
     sp = _as_sampling(sampling, n)
     if sp is not None and sampling_config is None and SamplingConfig.for_params(sp).greedy:
         sp = None  # all rows at temperature 0: the static greedy mode gives the same tokens
     if sp is None:
         if sampling_config is not None and not sampling_config.greedy:
             raise ValueError("sampling_config is sampled but sampling=None (greedy) was given")
-        scfg = SamplingConfig(greedy=True)
-    else:
-        scfg = sampling_config or SamplingConfig.for_params(sp)
-        why = scfg.covers(sp)
-        if why:
-            raise ValueError(why)
-    if isinstance(key, (int, np.integer)):
-        key = jax.random.key(key)
-
-    k_stop = max(_MIN_STOP_BUCKET, 1 << max(stop.size - 1, 0).bit_length())
-    stop_K = np.full((k_stop,), -1, np.int32)
-    stop_K[: stop.size] = stop
-    rows = _HostRows(lens, max_new, seeds_arr, None if sp is None else [np.asarray(f) for f in sp])
-    buckets = (tuple(batch_buckets), tuple(length_buckets))
-    chunk = max(batch_buckets)
-    if loop == "queue":
-        from dspark_jax.models.generate_queue import run_queue
-
-        return run_queue(cfg, params, prompts, rows, stop_K, key, scfg, buckets)[0]
-    outs: list[list[int]] = []
-    for lo in range(0, n, chunk):
-        idx = np.arange(lo, min(lo + chunk, n))
-        sub = [prompts[i] for i in idx]
-        outs.extend(_run_bucket(cfg, params, sub, rows.take(idx), stop_K, key, scfg, buckets, loop))
-    return outs
+        return None, SamplingConfig(greedy=True)
+    scfg = sampling_config or SamplingConfig.for_params(sp)
+    why = scfg.covers(sp)
+    if why:
+        raise ValueError(why)
+    return sp, scfg
 
 
 class _HostRows(NamedTuple):
@@ -281,7 +281,7 @@ def _run_bucket(cfg, params, prompts, rows: _HostRows, stop_K, key, scfg, bucket
     p = bucket_size(int(lens.max()), length_buckets, "length of prompt")
     s = bucket_size(int((lens + rows.max_new).max()), length_buckets, "length of prompt + new")
     s = min(s, cfg.max_position_embeddings)
-    tokens = np.full((b, p), _PAD_TOKEN, np.int32)
+    tokens = np.full((b, p), PAD_TOKEN, np.int32)
     for i, pr in enumerate(prompts):
         tokens[i, : len(pr)] = pr
     lengths = np.ones((b,), np.int32)

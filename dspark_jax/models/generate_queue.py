@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.buckets import pow2_bucket
 from dspark_jax.models import transformer as tf
-from dspark_jax.models.generate import (
-    _PAD_TOKEN,
+from dspark_jax.models.decoding import (
+    PAD_TOKEN,
     DecodeRequest,
     DecodeState,
     bucket_size,
@@ -177,9 +178,9 @@ def _run_group(cfg, params, prompts, rows_host, stop_K, key, scfg, s, num_rows):
     queue is padded to a power of two of at least 4 x `num_rows` requests and the prompts to `s`
     tokens (the loop only reads an admitted prompt's own chunks)."""
     n, lens = len(prompts), rows_host.lens
-    q = max(4 * num_rows, 1 << max(n - 1, 0).bit_length())
+    q = max(4 * num_rows, pow2_bucket(n, 1))
     p = -(-s // PREFILL_CHUNK) * PREFILL_CHUNK  # whole chunks
-    tokens = np.full((q, p), _PAD_TOKEN, np.int32)
+    tokens = np.full((q, p), PAD_TOKEN, np.int32)
     for i, pr in enumerate(prompts):
         tokens[i, : len(pr)] = pr
     pad = lambda a, v, dt: np.concatenate([np.asarray(a, dt), np.full((q - n,), v, dt)])

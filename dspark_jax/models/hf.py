@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -53,6 +54,7 @@ from dspark_jax.models.hf_tokenizer import (  # noqa: F401 (callers import them 
     quiet_transformers,
 )
 from dspark_jax.models.transformer import Transformer
+from dspark_jax.parallel import param_shardings
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -172,15 +174,21 @@ def _check_tensors(cfg: TargetConfig, headers, path: str) -> dict:
             f"unexpected tensors in {path!r} that a {cfg.architecture} model does not have: "
             f"{len(unexpected)}, e.g. {unexpected[:5]}; is config.json for this checkpoint?"
         )
-    for name, (_, shape, _) in expected.items():
+    check_shapes({n: shape for n, (_, shape, _) in expected.items()}, headers, "config.json")
+    return expected
+
+
+def check_shapes(shapes: Mapping[str, tuple], headers: Mapping, source: str) -> None:
+    """CheckpointError unless each tensor of `shapes` has that shape and a float dtype in
+    `headers` (name -> (shape, dtype)); `source` names what implies the shapes."""
+    for name, shape in shapes.items():
         got, dt = headers[name]
-        if got != shape:
+        if tuple(got) != tuple(shape):
             raise CheckpointError(
-                f"shape mismatch for {name}: config.json implies {shape}, checkpoint has {got}"
+                f"shape mismatch for {name}: {source} implies {shape}, checkpoint has {tuple(got)}"
             )
         if dt not in FLOAT_DTYPES:
             raise CheckpointError(f"{name} has dtype {dt}; only float tensors can be loaded")
-    return expected
 
 
 def check_checkpoint(
@@ -229,8 +237,6 @@ def load_target(
     np_dtype = NP_DTYPE[dtype]
     shardings = None
     if mesh is not None:
-        from dspark_jax.parallel import param_shardings
-
         shardings = dict(nnx.to_flat_state(param_shardings(abstract, mesh)))
 
     by_path = {p: (name, t) for name, (p, _, t) in expected.items()}
@@ -268,7 +274,6 @@ def _normalize_index(index, ndim: int) -> tuple[slice, ...]:
 def to_host(x) -> np.ndarray:
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 

@@ -4,6 +4,7 @@ silenced around the one import), checked against the model's vocabulary and chat
 from __future__ import annotations
 
 import os
+import sys
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import CheckpointError
@@ -12,8 +13,6 @@ from dspark_jax.errors import CheckpointError
 def quiet_transformers():
     """`import transformers` without its advisory "PyTorch was not found" line: we only use its
     tokenizers, never its models. Only that import is quieted; later warnings are untouched."""
-    import sys
-
     if "transformers" not in sys.modules:
         old = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
         os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"

@@ -1,5 +1,6 @@
-"""The run directory: loading a trained run (`RunDir`)."""
+"""The run directory and the pipeline's stages: `rundir.RunDir` (load a trained run for any
+consumer), `pipeline.Pipeline` (the stages), `staged` / `store` (stage caching), `validate` (the
+configuration and input checks).
 
-from dspark_jax.run.rundir import RunDir
-
-__all__ = ["RunDir"]
+Nothing is imported here: `train.py` imports `run.validate` to check a configuration before jax
+loads, and `RunDir` pulls in jax and the models (`from dspark_jax.run.rundir import RunDir`)."""

@@ -10,14 +10,19 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dspark_jax.errors import ConfigError
+from dspark_jax.eval import analyses, offline, speed_report
+from dspark_jax.eval import speed as evspeed
+from dspark_jax.eval.offline import calibration_pairs
 from dspark_jax.io import atomic_path, write_json_atomic, write_text_atomic
+from dspark_jax.sched.cost import CostProfile
+from dspark_jax.sched.sts import STS
+from dspark_jax.spec.metrics import reliability_from_logits
+from dspark_jax.train.data import select_prompts
 
 
 def run_evaluate(p) -> dict:
     """The evaluate stage's body: τ per drafter and dataset, calibration, other temperatures,
     speed and analyses; writes report.json / report.md / PNGs into the stage's folder."""
-    from dspark_jax.eval import offline, speed_report
-
     e = p.cfg.evaluate
     tcfg, tparams = p.target()
     stop = p.stop_ids()
@@ -101,9 +106,6 @@ def eval_datasets(p) -> tuple[dict, dict]:
     evaluated / available / too long / the length limit}): every dataset's prompts that fit the
     target's context with `evaluate.max_new_tokens`, `evaluate.max_prompts_per_dataset` of them
     in the fixed selection order."""
-    from dspark_jax.eval import offline
-    from dspark_jax.train.data import select_prompts
-
     e = p.cfg.evaluate
     datasets, coverage = {}, {}
     for name, (dom, turns) in p.eval_sets().items():
@@ -148,8 +150,6 @@ def eval_modes(e) -> tuple[str, ...]:
 
 def _other_temperatures(p, decoders, datasets, domains, stop) -> dict:
     """The τ table at each of `evaluate.temperatures` other than `evaluate.temperature`."""
-    from dspark_jax.eval import offline
-
     e = p.cfg.evaluate
     out = {}
     for t in e.temperatures:
@@ -172,8 +172,6 @@ def _other_temperatures(p, decoders, datasets, domains, stop) -> dict:
 
 def _speed_breakdown(p, prompt, table) -> dict:
     """The round's breakdown per drafter next to a plain decode step (eval/speed.py)."""
-    from dspark_jax.eval import speed as evspeed
-
     e = p.cfg.evaluate
     tcfg, tparams = p.target()
     drafters = {k: p.drafter(k) for k in p.cfg.drafters.kinds}
@@ -188,9 +186,6 @@ def _speed_breakdown(p, prompt, table) -> dict:
 def _analyses(p, all_results, datasets, domains, breakdown, table) -> dict:
     """Bootstrap intervals, θ sweep, reliability, policies (eval/analyses.py); with the
     markdown lines (`_markdown`) and the PNG writers (`_plots`)."""
-    from dspark_jax.eval import analyses
-    from dspark_jax.sched.cost import CostProfile
-
     kinds = p.cfg.drafters.kinds
     res = {k: {n: all_results[(k, n)] for n in datasets} for k in kinds}
     boot = analyses.bootstrap_tau(res, domains)
@@ -222,10 +217,6 @@ def _analyses(p, all_results, datasets, domains, breakdown, table) -> dict:
 
 
 def _calibration_report(p, all_results, datasets):
-    from dspark_jax.eval.offline import calibration_pairs
-    from dspark_jax.sched.sts import STS
-    from dspark_jax.spec.metrics import reliability_from_logits
-
     sts = STS.load(p.stage_dir("calibrate") / "sts.json")
     g = p.drafter("dspark")[0].block_size
     parts = [calibration_pairs(all_results[("dspark", name)], g) for name in datasets]

@@ -3,9 +3,11 @@ calibrate → evaluate (one `_stage_<name>` method each; the two longest bodies 
 `run/regenerate_stage.py` and `run/evaluate_stage.py`). Caching, cache keys and the run
 directory's versions are `dspark_jax.run.staged.StagedRun`'s; loading is `RunDir`'s.
 
-Imports of eval/, engine/, models.hf (transformers) and orbax sit inside the functions that
-use them, on purpose: each costs 1.2-2.5 s to import on the 2-core machine (measured), and a
-CLI's config error or a cached stage should not pay for modules it never runs.
+The trainers (train.lm, train.trainer, train.features: optax and orbax) and the evaluation
+(eval/, engine/) are imported inside the stages that run them, on purpose: with jax already
+loaded they cost 0.3-0.9 s each to import on the 2-core machine (measured: train.trainer 0.87 s,
+train.lm 0.83 s, eval.offline 0.64 s, train.features 0.31 s), and a run whose stages are cached,
+or a single `--stages`, should not pay for modules it never runs.
 """
 
 from __future__ import annotations
@@ -19,11 +21,20 @@ import jax
 import numpy as np
 
 from dspark_jax import parallel
+from dspark_jax.demo.corpus import build_corpus
 from dspark_jax.errors import ConfigError
 from dspark_jax.io import write_json_atomic
-from dspark_jax.run import evaluate_stage, regenerate_stage
+from dspark_jax.models.hf import save_target_hf
+from dspark_jax.run import regenerate_stage
 from dspark_jax.run.staged import STAGES, StagedRun
 from dspark_jax.run.validate import validate_mesh
+from dspark_jax.sched.sts import fit_sts
+from dspark_jax.spec.metrics import reliability_from_logits
+from dspark_jax.templates import RenderConfig, encode_prompt
+from dspark_jax.train.data import encode_conversations, read_conversations, read_prompts
+from dspark_jax.train.data_tfds import parse_tfds_spec, read_tfds
+from dspark_jax.train.memory import resolve_dtypes
+from dspark_jax.train.tokenizer import train_tokenizer
 
 
 class Pipeline(StagedRun):
@@ -71,14 +82,10 @@ class Pipeline(StagedRun):
         return self.rundir.decoder(kind)
 
     def corpus_files(self):
-        from dspark_jax.demo.corpus import build_corpus
-
         return build_corpus(self.stage_dir("corpus"), self.cfg.data.corpus)
 
     def eval_sets(self) -> dict[str, tuple[str, list[list[str]]]]:
         """dataset name -> (domain, every prompt as a list of user turns)."""
-        from dspark_jax.train.data import read_prompts
-
         c = self.cfg
         files = {}
         if c.data.eval_prompt_files:
@@ -96,8 +103,6 @@ class Pipeline(StagedRun):
     def fitting_prompts(self, turns: list[list[str]], max_new_tokens: int):
         """(token ids of the prompts that fit the target's context with this budget, how many
         did not, the limit). Only the first user turn is evaluated."""
-        from dspark_jax.train.data_templates import encode_prompt
-
         tok = self.tokenizer()
         limit = self.rundir.prompt_limit(max_new_tokens, self.cfg.evaluate.max_len)
         toks = [tuple(encode_prompt(tok, t[0]).tolist()) for t in turns]
@@ -123,7 +128,6 @@ class Pipeline(StagedRun):
         if c.tokenizer.path or c.target.path:
             tok = self.tokenizer()
             return {"source": c.tokenizer.path or c.target.path, "vocab": len(tok)}
-        from dspark_jax.train.tokenizer import train_tokenizer
 
         files = self.corpus_files()
         tok = train_tokenizer(files.text, self.stage_dir("tokenizer"), c.tokenizer.vocab_size)
@@ -131,8 +135,6 @@ class Pipeline(StagedRun):
         return {"vocab": len(tok)}
 
     def _training_conversations(self):
-        from dspark_jax.train.data import read_conversations
-
         c = self.cfg
         paths = c.data.conversation_files
         if not paths and not c.data.tfds:
@@ -144,8 +146,6 @@ class Pipeline(StagedRun):
             self.log(f"  {stats.summary()}")
             convs += got
         if c.data.tfds:
-            from dspark_jax.train.data_tfds import parse_tfds_spec, read_tfds
-
             name, split, field = parse_tfds_spec(c.data.tfds)
             got, stats = read_tfds(
                 name, split=split, kind="auto", field=field, data_dir=c.data.tfds_data_dir or None
@@ -162,8 +162,6 @@ class Pipeline(StagedRun):
         if c.target.path:
             tcfg, _ = self.target()
             return {"source": c.target.path, "params": _count(self.target()[1])}
-        from dspark_jax.models.hf import save_target_hf
-        from dspark_jax.train.data_templates import RenderConfig, encode_conversations
         from dspark_jax.train.lm import train_lm
 
         t = c.target
@@ -193,13 +191,10 @@ class Pipeline(StagedRun):
         write_json_atomic(self.stage_dir("target") / "train_log.json", log)
         return {"params": _count(params), "final": log[-1] if log else None}
 
-    def _regen_prompts(self):
-        """Training prompts (user turns) in a fixed order; the last `calibrate.max_prompts` form
-        the calibration split (never used to train drafters)."""
-        return [t for _, t in self._regen_requests()]
-
     def _regen_requests(self):
-        """(the sample's own system message or None, its user turns), in `_regen_prompts` order."""
+        """(the sample's own system message or None, its user turns) of the training prompts in
+        a fixed order; the last `calibrate.max_prompts` form the calibration split (never used
+        to train drafters)."""
         convs = self._training_conversations()
         rng = np.random.default_rng(self.cfg.regenerate.seed)
         order = rng.permutation(len(convs))
@@ -223,8 +218,6 @@ class Pipeline(StagedRun):
         return regenerate_stage.run_regenerate(self)
 
     def _regenerated(self):
-        from dspark_jax.train.data import read_conversations
-
         convs = []
         for p in sorted((self.stage_dir("regenerate") / "shards").glob("*.jsonl")):
             got, _ = read_conversations(p, keep_system=True)
@@ -234,7 +227,6 @@ class Pipeline(StagedRun):
         return convs[: len(convs) - n_cal], convs[len(convs) - n_cal :]
 
     def _stage_drafters(self):
-        from dspark_jax.train.data_templates import RenderConfig, encode_conversations
         from dspark_jax.train.trainer import Trainer
 
         d = self.cfg.drafters
@@ -286,7 +278,6 @@ class Pipeline(StagedRun):
         (`train.features`, in the target's training dtype; resumed after an interruption)
         and read by every drafter's Trainer instead of running the target in each step."""
         from dspark_jax.train.features import write_feature_cache
-        from dspark_jax.train.memory import resolve_dtypes
 
         t = resolve_dtypes(self.cfg.drafters.train)
         t0 = time.perf_counter()
@@ -328,8 +319,6 @@ class Pipeline(StagedRun):
 
     def _stage_calibrate(self):
         from dspark_jax.eval.offline import calibration_pairs
-        from dspark_jax.sched.sts import fit_sts
-        from dspark_jax.spec.metrics import reliability_from_logits
 
         if "dspark" not in self.cfg.drafters.kinds:
             return {"skipped": "no dspark drafter"}
@@ -351,6 +340,8 @@ class Pipeline(StagedRun):
         }
 
     def _stage_evaluate(self):
+        from dspark_jax.run import evaluate_stage  # eval/ and engine/ (module docstring)
+
         return evaluate_stage.run_evaluate(self)
 
 

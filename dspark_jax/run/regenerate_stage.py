@@ -8,19 +8,20 @@ from __future__ import annotations
 import json
 
 import jax
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from dspark_jax import parallel
 from dspark_jax.io import atomic_write
+from dspark_jax.models.generate import generate
+from dspark_jax.models.hf import load_target
 from dspark_jax.run.rundir import LENGTH_BUCKETS
+from dspark_jax.templates import encode_prompt
 
 
 def run_regenerate(p) -> dict:
     """The regenerate stage's body: the target answers the training prompts turn by turn;
     written as shards of JSONL conversations (resumable; one set per process)."""
-    from dspark_jax.models.generate import generate
-    from dspark_jax.train.data_templates import encode_prompt
-
     c = p.cfg.regenerate
     tcfg, tparams = regen_target(p)
     tok = p.tokenizer()
@@ -84,8 +85,6 @@ def run_regenerate(p) -> dict:
         bar.update(len(chunk))
     bar.close()
     if pn > 1:  # every process's shards are written before anyone reads them
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices("regenerate shards written")
     return {"prompts": len(prompts)}
 
@@ -97,8 +96,6 @@ def regen_target(p):
     if jax.process_count() == 1:
         return p.target()
     if "regen_target" not in p.rundir._cache:
-        from dspark_jax.models.hf import load_target
-
         p.rundir._cache["regen_target"] = load_target(
             p.rundir.target_path(), mesh=parallel.local_mesh(p.cfg.mesh),
             target_layer_ids=p.cfg.target.target_layer_ids or None,

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import jax
+from jax.experimental import multihost_utils
 
 from dspark_jax.errors import ConfigError
 from dspark_jax.io import FileHasher, canonical_hash, write_json_atomic
@@ -34,7 +35,6 @@ def _on_main(tag: str, fn):
     process waits at a barrier until it is done, so all of them then see the same directory."""
     if jax.process_count() == 1:
         return fn()
-    from jax.experimental import multihost_utils
 
     multihost_utils.sync_global_devices(f"dspark_stage_before_{tag}")
     out = fn() if jax.process_index() == 0 else None

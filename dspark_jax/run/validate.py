@@ -4,6 +4,9 @@ A mistake must cost seconds, never a trained stage: every field's type and range
 fields only a late stage reads), every input file parsed (not only checked for existence), and the
 cross-field limits (prompt + generation budget within the target's context). Errors are
 `ConfigError` / `DataError` with one line naming the field or file and the fix.
+
+Models and jax (models.hf, train.steps) are imported inside the checks that read a checkpoint or
+a mesh: train.py imports this module to check a configuration before jax loads (~2.5 s).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from dspark_jax.config import MARKOV_HEAD_TYPES, TargetConfig
 from dspark_jax.errors import ConfigError, DataError
 from dspark_jax.pipeline_config import STAGES, PipelineConfig
+from dspark_jax.train.data import read_conversations, read_prompts
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 
@@ -201,8 +205,6 @@ def min_prompt_room(cfg: PipelineConfig) -> None:
 
 def validate_inputs(cfg: PipelineConfig) -> dict[str, int]:
     """Parse every input file the configuration names; returns {file: usable rows}."""
-    from dspark_jax.train.data import read_conversations, read_prompts
-
     counts = {}
     for f in cfg.data.conversation_files:
         _exists(f, "data.conversation_files")

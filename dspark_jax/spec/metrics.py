@@ -43,7 +43,7 @@ __all__ = [
     "block_tau",
     "simulated_tau",
     "is_additive",
-    "summarize",
+    "heldout_summary",
 ]
 
 PRED_CLIP = 1e-8
@@ -279,7 +279,7 @@ def is_additive(key: str) -> bool:
     return key.endswith("_num") or key.endswith("_den")
 
 
-def summarize(metric_sums: dict, n_batches: int) -> dict:
+def heldout_summary(metric_sums: dict, n_batches: int) -> dict:
     """Held-out metrics from per-batch sums: additive pairs divided (x = x_num / x_den), other
     keys averaged over batches; adds `accept_rate` [γ] and `sim_tau` when `accept_num/den`
     exist."""

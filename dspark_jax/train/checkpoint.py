@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from dspark_jax.drafters.compat import check_fits, recorded_target
 from dspark_jax.errors import CheckpointError, ConfigError
@@ -174,8 +175,6 @@ class Checkpointer:
                     src.rename(self.directory / f"{b}.corrupt-{stamp}")
                     log.warning("moved bad checkpoint %s aside to %s.corrupt-%s", src, b, stamp)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("dspark_checkpoint_quarantine")
         self._mgr.reload()
 

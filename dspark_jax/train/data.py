@@ -12,8 +12,8 @@ and has only non-empty contents. Rows that break these rules are *dropped* and c
 `ReadStats`; a file that is structurally wrong (not JSON, missing field, wrong type, empty) raises
 `DataError` naming the file and line, before anything is returned.
 
-Every writer here is atomic (dspark_jax/io.py). The rest of the data path: data_templates.py
-(chat template, loss mask, prompts), data_packing.py (static-shape batches), data_tfds.py (TFDS).
+Every writer here is atomic (dspark_jax/io.py). The rest of the data path: dspark_jax/templates.py
+(chat template, supervised spans, prompts), data_packing.py (static-shape batches), data_tfds.py (TFDS).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import numpy as np
 
 from dspark_jax.errors import DataError
 from dspark_jax.io import atomic_write
+from dspark_jax.templates import RenderConfig, assistant_char_spans, render_conversation
 
 # Role names as they appear in sources → our two roles. Anything else is dropped (REFERENCE §1.1).
 ROLE_MAP: dict[str, str] = {
@@ -330,6 +331,66 @@ class TokenizedSample:
 
 # ------------------------------------------------------------------------------------------------
 # Writing (atomic)
+
+
+DEFAULT_RENDER = RenderConfig()
+
+
+def _encode_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def encode_conversations(
+    tokenizer: Any,
+    conversations: Iterable[Conversation],
+    cfg: RenderConfig = DEFAULT_RENDER,
+    *,
+    source: str = "conversations",
+    chunk_size: int = 256,
+) -> tuple[list[TokenizedSample], ReadStats]:
+    """Render, tokenize, truncate and mask conversations; drop those under `min_loss_tokens`.
+
+    The mask marks tokens `[len(tok(text[:s])), len(tok(text[:e])))` for every assistant char
+    span `[s, e)` (prefix token counts capped at `max_length`, clipped to the sequence), so it
+    covers assistant content plus the end-of-turn token(s) and nothing of system/user/headers.
+    A sample with no supervised token is always dropped. Tokenization never adds special tokens
+    (the template already wrote them).
+    """
+    stats = ReadStats(source=source)
+    samples: list[TokenizedSample] = []
+    convs = list(conversations)
+    for lo in range(0, len(convs), chunk_size):
+        chunk = convs[lo : lo + chunk_size]
+        texts = [render_conversation(tokenizer, c, cfg) for c in chunk]
+        spans = [assistant_char_spans(t, cfg) for t in texts]
+        prefixes = [t[:pos] for t, sp in zip(texts, spans) for s, e in sp for pos in (s, e)]
+        full_ids = _encode_batch(tokenizer, texts)
+        prefix_lens = iter(len(p) for p in _encode_batch(tokenizer, prefixes))
+        for conv, ids, sp in zip(chunk, full_ids, spans):
+            stats.read += 1
+            ids_L = np.asarray(ids[: cfg.max_length], dtype=np.int32)  # right truncation
+            mask_L = np.zeros(ids_L.shape, dtype=np.uint8)
+            for _ in sp:
+                start = min(next(prefix_lens), cfg.max_length)
+                end = min(next(prefix_lens), cfg.max_length)
+                mask_L[start:end] = 1
+            n_loss = int(mask_L.sum())
+            if n_loss == 0 or n_loss < cfg.min_loss_tokens:
+                stats.drop(f"fewer than {max(cfg.min_loss_tokens, 1)} loss tokens")
+                continue
+            samples.append(TokenizedSample(ids_L, mask_L, id=conv.id, domain=conv.domain))
+            stats.kept += 1
+    return samples, stats
+
+
+def encode_conversation(
+    tokenizer: Any, conversation: Conversation, cfg: RenderConfig = DEFAULT_RENDER
+) -> TokenizedSample | None:
+    """One conversation; `None` when it would be dropped (see `encode_conversations`)."""
+    samples, _ = encode_conversations(tokenizer, [conversation], cfg)
+    return samples[0] if samples else None
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> int:

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from tqdm.auto import tqdm
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError, FeatureCacheError
@@ -164,6 +165,40 @@ def write_feature_cache(
     """
     pi = jax.process_index() if process_index is None else process_index
     pn = jax.process_count() if process_count is None else process_count
+    _check_request(samples, pi, pn, dtype, chunk_size, batch_size, buckets)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    n_chunks = -(-len(samples) // chunk_size)
+    index_path = out / ("index.json" if pn == 1 else f"index.p{pi:05d}.json")
+    index = _open_index(out, samples, target_cfg, dtype, chunk_size, n_chunks)
+    mine = [c for c in range(n_chunks) if c % pn == pi]
+    _remove_leftovers(out, {_chunk_name(c) for c in mine}, index)
+    todo = [c for c in mine if _chunk_name(c) not in index["chunks"]]
+    if max_chunks is not None:
+        todo = todo[:max_chunks]
+    bar = tqdm(total=len(todo), desc="feature cache", unit="chunk") if progress and todo else None
+    for c in todo:
+        lo, hi = c * chunk_size, min((c + 1) * chunk_size, len(samples))
+        feats, hids = _chunk_features(target_cfg, target_params, samples[lo:hi], batch_size,
+                                      buckets, _DTYPES[dtype])  # fmt: skip
+        name = _chunk_name(c)
+        n_tokens = _write_chunk(out / name, samples[lo:hi], feats, hids, dtype)
+        index["chunks"][name] = {"start": lo, "count": hi - lo, "num_tokens": n_tokens}
+        with atomic_write(index_path) as fh:
+            json.dump(index, fh, indent=1)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if not index_path.exists():  # max_chunks=0 on a fresh cache
+        with atomic_write(index_path) as fh:
+            json.dump(index, fh, indent=1)
+    return FeatureCacheReader(out, allow_incomplete=max_chunks is not None or pn > 1)
+
+
+def _check_request(samples, pi: int, pn: int, dtype: str, chunk_size: int, batch_size: int,
+                   buckets: Sequence[int]) -> None:  # fmt: skip
+    """`write_feature_cache`'s arguments, checked before any work."""
     if not 0 <= pi < pn:
         raise ConfigError(f"process_index {pi} must be in 0 .. {pn - 1}")
     if dtype not in _DTYPES:
@@ -178,25 +213,16 @@ def write_feature_cache(
             f"sample {too_long[0]} (length {len(samples[too_long[0]])}) exceeds the largest bucket "
             f"{max(buckets)}; add a larger bucket"
         )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def _open_index(out: Path, samples, target_cfg: TargetConfig, dtype: str, chunk_size: int,
+                n_chunks: int) -> dict:  # fmt: skip
+    """The index of the cache already in `out` (every process's chunks), or a new one;
+    FeatureCacheError when `out` holds a cache of other data, target or settings."""
     fp = _fingerprint(samples, target_cfg, dtype)
-    n_chunks = -(-len(samples) // chunk_size)
-    index_path = out / ("index.json" if pn == 1 else f"index.p{pi:05d}.json")
     index = _merged_index(out)
-    if index is not None:
-        same = (
-            index.get("fingerprint") == fp
-            and index.get("chunk_size") == chunk_size
-            and index.get("version") == CACHE_VERSION
-        )
-        if not same:
-            raise FeatureCacheError(
-                f"{out} holds a feature cache for other data, target or settings; use a new "
-                "directory or delete this one"
-            )
-    else:
-        index = {
+    if index is None:
+        return {
             "version": CACHE_VERSION,
             "dtype": dtype,
             "num_samples": len(samples),
@@ -208,10 +234,23 @@ def write_feature_cache(
             "fingerprint": fp,
             "chunks": {},
         }
-    # Leftovers of an interrupted writer: temporary dirs, and chunk dirs renamed into place
-    # whose index update never happened. Neither is trusted.
-    # Only this process's chunks: another process may be writing its own right now.
-    mine = {_chunk_name(c) for c in range(n_chunks) if c % pn == pi}
+    same = (
+        index.get("fingerprint") == fp
+        and index.get("chunk_size") == chunk_size
+        and index.get("version") == CACHE_VERSION
+    )
+    if not same:
+        raise FeatureCacheError(
+            f"{out} holds a feature cache for other data, target or settings; use a new "
+            "directory or delete this one"
+        )
+    return index
+
+
+def _remove_leftovers(out: Path, mine: set[str], index: dict) -> None:
+    """Leftovers of an interrupted writer: temporary dirs, and chunk dirs renamed into place
+    whose index update never happened. Neither is trusted. Only this process's chunks (`mine`):
+    another process may be writing its own right now."""
     for p in out.iterdir():
         if (
             p.is_dir()
@@ -219,50 +258,38 @@ def write_feature_cache(
             and (".tmp" in p.name or p.name not in index["chunks"])
         ):
             shutil.rmtree(p)
-    todo = [c for c in range(n_chunks) if c % pn == pi and _chunk_name(c) not in index["chunks"]]
-    if max_chunks is not None:
-        todo = todo[:max_chunks]
-    bar = None
-    if progress and todo:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(todo), desc="feature cache", unit="chunk")
-    np_dtype = _DTYPES[dtype]
-    for c in todo:
-        lo, hi = c * chunk_size, min((c + 1) * chunk_size, len(samples))
-        feats, hids = [], []
-        for b in range(lo, hi, batch_size):
-            part = samples[b : min(b + batch_size, hi)]
-            batch = pad_to_bucket(part, buckets, batch_size=batch_size)
-            f, h = _features_jit(target_cfg, target_params, jnp.asarray(batch.input_ids))
-            f = np.asarray(jax.device_get(f.astype(jnp.float32))).astype(np_dtype)
-            h = np.asarray(jax.device_get(h.astype(jnp.float32))).astype(np_dtype)
-            for r, s in enumerate(part):
-                feats.append(f[r, : len(s)])
-                hids.append(h[r, : len(s)])
-        chunk = samples[lo:hi]
-        offsets = np.cumsum([0] + [len(s) for s in chunk]).astype(np.int64)
-        name = _chunk_name(c)
-        with atomic_dir(out / name) as tmp:  # <name>.tmp: debris the cleanup above removes
-            ids = np.concatenate([s.input_ids for s in chunk]).astype(np.int32)
-            _save_npy(tmp / "input_ids.npy", ids)
-            mask = np.concatenate([s.loss_mask for s in chunk]).astype(np.uint8)
-            _save_npy(tmp / "loss_mask.npy", mask)
-            _save_npy(tmp / "offsets.npy", offsets)
-            for fname, arrs in (("features.npy", feats), ("hidden.npy", hids)):
-                arr = np.concatenate(arrs, axis=0)
-                _save_npy(tmp / fname, arr.view(np.uint16) if dtype == "bfloat16" else arr)
-        index["chunks"][name] = {"start": lo, "count": hi - lo, "num_tokens": int(offsets[-1])}
-        with atomic_write(index_path) as fh:
-            json.dump(index, fh, indent=1)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    if not index_path.exists():  # max_chunks=0 on a fresh cache
-        with atomic_write(index_path) as fh:
-            json.dump(index, fh, indent=1)
-    return FeatureCacheReader(out, allow_incomplete=max_chunks is not None or pn > 1)
+
+def _chunk_features(target_cfg, target_params, chunk, batch_size: int, buckets, np_dtype):
+    """The target's features [L, m*H] and last hidden states [L, H] of each sample of `chunk`,
+    computed in padded batches (one compilation per bucket), stored as `np_dtype`."""
+    feats, hids = [], []
+    for b in range(0, len(chunk), batch_size):
+        part = chunk[b : b + batch_size]
+        batch = pad_to_bucket(part, buckets, batch_size=batch_size)
+        f, h = _features_jit(target_cfg, target_params, jnp.asarray(batch.input_ids))
+        f = np.asarray(jax.device_get(f.astype(jnp.float32))).astype(np_dtype)
+        h = np.asarray(jax.device_get(h.astype(jnp.float32))).astype(np_dtype)
+        for r, s in enumerate(part):
+            feats.append(f[r, : len(s)])
+            hids.append(h[r, : len(s)])
+    return feats, hids
+
+
+def _write_chunk(path: Path, chunk, feats, hids, dtype: str) -> int:
+    """One chunk directory, atomically (`<name>.tmp` is debris `_remove_leftovers` removes);
+    returns its number of tokens."""
+    offsets = np.cumsum([0] + [len(s) for s in chunk]).astype(np.int64)
+    with atomic_dir(path) as tmp:
+        ids = np.concatenate([s.input_ids for s in chunk]).astype(np.int32)
+        _save_npy(tmp / "input_ids.npy", ids)
+        mask = np.concatenate([s.loss_mask for s in chunk]).astype(np.uint8)
+        _save_npy(tmp / "loss_mask.npy", mask)
+        _save_npy(tmp / "offsets.npy", offsets)
+        for fname, arrs in (("features.npy", feats), ("hidden.npy", hids)):
+            arr = np.concatenate(arrs, axis=0)
+            _save_npy(tmp / fname, arr.view(np.uint16) if dtype == "bfloat16" else arr)
+    return int(offsets[-1])
 
 
 class FeatureCacheReader:

@@ -49,7 +49,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters.api import build
-from dspark_jax.drafters.common import DrafterParams, lm_logits
+from dspark_jax.drafters.common import DrafterParams, lm_logits, shift_left
 from dspark_jax.drafters.dspark import teacher_forced
 from dspark_jax.drafters.eagle3 import ttt_hidden
 from dspark_jax.spec.metrics import block_tau
@@ -280,13 +280,6 @@ def combine_terms(cfg: DrafterConfig, t: dict) -> tuple[jax.Array, dict]:
 # Eagle3 (REFERENCE §5.2)
 
 
-def _shift_left(x, k: int, fill=0):
-    if k == 0:
-        return x
-    pad = jnp.full((x.shape[0], k, *x.shape[2:]), fill, x.dtype)
-    return jnp.concatenate([x[:, k:], pad], axis=1)
-
-
 def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
     """TTT soft-label CE: Σ_k 0.8^k mean_b [Σ_t M^k_bt·CE(P^k_bt, q^k_bt) / T_b], T_b the real
     length of sequence b (REFERENCE §5.2: per-sequence "local_mean", equal weight per sequence).
@@ -321,14 +314,14 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
     uniform = 1.0 / jnp.asarray(t_logits.shape[-1], f32)
     for k in range(cfg.block_size):
         logits = model.logits(g_steps[k]).astype(f32)
-        p_t = _shift_left(p_all, k + 1, fill=uniform)
-        mk = _shift_left(lm, k)
+        p_t = shift_left(p_all, k + 1, fill=uniform)
+        mk = shift_left(lm, k)
         ce, l1 = ce_and_l1(logits, p_t)  # soft-label CE; L1 only for the (detached) metric
         step = ((mk * ce).sum(1) * inv_len).sum() / n_rows
         total = total + (cfg.step_loss_decay**k) * step
         ce_k.append(step)
         acc = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
-        hit = (jnp.argmax(logits, -1) == _shift_left(top_all, k + 1)).astype(f32)
+        hit = (jnp.argmax(logits, -1) == shift_left(top_all, k + 1)).astype(f32)
         accs.append(acc * mk)
         match.append(hit * mk)
         tv_num.append((acc * mk).sum())

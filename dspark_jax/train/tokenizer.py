@@ -26,8 +26,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from dspark_jax.io import atomic_write, write_bytes_atomic
 from dspark_jax.models.hf import load_tokenizer, quiet_transformers
+from dspark_jax.templates import CHAT_TEMPLATE
 
 TOKENIZER_VERSION = 1
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
@@ -37,13 +40,6 @@ MASK_TOKEN = "<|mask|>"
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 META_FILE = "dspark_tokenizer.json"
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
 
 # Pre-tokenization split (Qwen2/GPT-4 style): letters with one leading non-letter, single
 # digits (helps arithmetic), punctuation runs, newlines, and whitespace runs that leave the last
@@ -94,7 +90,7 @@ def _fingerprint(texts: list[str], cfg: TokenizerConfig) -> dict[str, Any]:
     return {"version": TOKENIZER_VERSION, "config": dataclasses.asdict(cfg), "text": h.hexdigest()}
 
 
-def _read_meta(out_dir: Path) -> dict[str, Any] | None:
+def read_meta(out_dir: Path) -> dict[str, Any] | None:
     try:
         return json.loads((out_dir / META_FILE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
@@ -102,8 +98,6 @@ def _read_meta(out_dir: Path) -> dict[str, Any] | None:
 
 
 def _train(texts: list[str], cfg: TokenizerConfig) -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -177,7 +171,7 @@ def train_tokenizer(
         raise ValueError("train_tokenizer: the training text is empty")
     out = Path(out_dir)
     fingerprint = _fingerprint(texts, cfg)
-    meta = _read_meta(out)
+    meta = read_meta(out)
     if not force and meta is not None and meta.get("fingerprint") == fingerprint:
         return load_tokenizer(out, require_chat_template=True)
     tok = _train(texts, cfg)
@@ -217,15 +211,3 @@ def special_token_ids(tok: Any) -> dict[str, Any]:
         "mask_id": mask_id,
         "im_start_id": tid("<|im_start|>"),
     }
-
-
-def tiny_tokenizer(cache_dir: str | os.PathLike, vocab_size: int = 512) -> Any:
-    """A small tokenizer for tests, trained once on `corpus.sample_text()` and cached in
-    ``cache_dir/tiny_tokenizer_v{version}_{vocab_size}`` (a second call only loads it)."""
-    out = Path(cache_dir) / f"tiny_tokenizer_v{TOKENIZER_VERSION}_{vocab_size}"
-    meta = _read_meta(out)
-    if meta is not None and meta.get("fingerprint", {}).get("version") == TOKENIZER_VERSION:
-        return load_tokenizer(out, require_chat_template=True)
-    from dspark_jax.demo.corpus import sample_text
-
-    return train_tokenizer([sample_text()], out, vocab_size, force=True)

@@ -48,12 +48,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from dspark_jax import parallel
 from dspark_jax.config import DrafterConfig, MeshConfig, TargetConfig, TrainConfig
 from dspark_jax.drafters import init_params
 from dspark_jax.drafters.compat import check_fits
-from dspark_jax.spec.metrics import summarize
+from dspark_jax.spec.metrics import heldout_summary
 from dspark_jax.train import loader as loader_lib
 from dspark_jax.train import losses
 from dspark_jax.train import memory as memory_lib
@@ -247,8 +248,6 @@ class Trainer(TrainerSetup):
         pending: list[tuple[int, dict[str, jax.Array]]] = []
         bar = None
         if cfg.progress_bar and self.is_main and end > self.step:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step")
         grad_acc = metric_acc = None
         t0, tokens = time.perf_counter(), 0
@@ -331,7 +330,7 @@ class Trainer(TrainerSetup):
             )
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
-        res = summarize(sums, len(self.eval_plan))
+        res = heldout_summary(sums, len(self.eval_plan))
         rec = {"step": self.step, "split": "eval", **{k: _jsonable(v) for k, v in res.items()}}
         score = res.get(self.cfg.best_metric)
         if score is None:

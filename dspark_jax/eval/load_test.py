@@ -2,7 +2,7 @@
 
     python serve.py bench --url http://127.0.0.1:8000 --requests 1000
 
-(It runs `main` here; the test suite calls `run_load` with about 100 requests.)
+(It runs `dspark_jax.cli.bench`; the test suite calls `run_load` with about 100 requests.)
 
 Sends `--requests` requests split over phases of increasing concurrency (closed loop: each of
 `c` workers sends its next request when the previous one ends), mixing
@@ -22,10 +22,8 @@ Prints one JSON object (latency percentiles, throughput per phase, and a `summar
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import sys
 import time
 from urllib.parse import urlparse
 
@@ -293,43 +291,3 @@ async def run_load(url: str, requests: int = 1000, concurrencies=(1, 4, 16, 32),
                                          "vllm:spec_decode_num_accepted_tokens_total")},
         "failures": t.wrong, "summary": summary,
     }  # fmt: skip
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--url", default="http://127.0.0.1:8000", help="127.0.0.1 / localhost only")
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--concurrency", default="1,4,16,32", help="comma-separated phases")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
-
-
-def run_cli(args) -> int:
-    """Run with parsed `add_arguments` flags; print the JSON; 0 if every check held, 1 if one
-    failed, 2 for a usage error or an unreachable server."""
-    try:
-        if args.requests < 1:
-            raise ValueError(f"--requests must be >= 1, got {args.requests}")
-        conc = tuple(int(c) for c in args.concurrency.split(","))
-        if not conc or min(conc) < 1:
-            raise ValueError(f"--concurrency must be positive integers, got {args.concurrency!r}")
-        res = asyncio.run(run_load(args.url, args.requests, conc, seed=args.seed,
-                                   timeout_s=args.timeout))  # fmt: skip
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except httpx.HTTPError as e:
-        print(f"error: cannot reach {args.url} ({e}) — start the server first: python serve.py "
-              "serve --run-dir DIR --port PORT", file=sys.stderr)  # fmt: skip
-        return 2
-    print(json.dumps(res, indent=1))
-    return 0 if res["summary"]["ok"] else 1
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    add_arguments(ap)
-    return run_cli(ap.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,32 +6,33 @@
     python serve.py export --run-dir runs/tiny --drafter dspark --out ckpt/dspark-tiny
 
 Speculative knobs are fixed per server at start-up: the drafter, the verification policy
-(default Algorithm 1, `alg1`, on DSpark's STS-calibrated confidences) and its cost profile (the
-run's `cost_profile.json`, else `--cost-profile`, else the profile shipped in
-benchmarks/results, with a warning in the log that it was measured on another model).
+(default Algorithm 1, `alg1`, on DSpark's STS-calibrated confidences) and its cost profile
+(`--cost-profile`, else the run's `cost_profile.json`, else a profile shipped with the package:
+dspark_jax/data/decode_cost*.json, the one measured on the model closest in size, with a warning
+in the log that it was measured on another model).
 
-Imports of eval/, engine/, models.hf (transformers) and orbax sit inside the functions that
-use them, on purpose: each costs 1.2-2.5 s to import on the 2-core machine (measured), and a
-CLI's config error or a cached stage should not pay for modules it never runs.
+Imports of engine/, run/, drafters/ and models.hf (jax, transformers, orbax) sit inside the
+functions that use them, on purpose: each costs 1.2-2.5 s to import on the 2-core machine
+(measured), and `serve.py bench` (an HTTP client) never needs them.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import time
+from importlib import resources
 from pathlib import Path
 
-from dspark_jax.engine import server_load
+from dspark_jax.cli import bench
+from dspark_jax.cli.common import report, user_errors
+from dspark_jax.eval.load_test import check_local
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 POLICIES = ("alg1", "async", "threshold", "fixed", "mtp1")
-SHIPPED_PROFILES = tuple(
-    Path(__file__).resolve().parents[2] / "benchmarks" / "results" / f
-    for f in ("decode_cost.json", "decode_cost.tiny.json")
-)
+# package data (pyproject's package-data): copies of benchmarks/results/decode_cost{,.tiny}.json
+SHIPPED_PROFILES = ("decode_cost.json", "decode_cost.tiny.json")
 
 log = logging.getLogger("dspark.serve")
 
@@ -67,7 +68,7 @@ def add_subcommands(sub) -> None:
     s.add_argument("--debug", action="store_true", help="show tracebacks of errors")
 
     b = sub.add_parser("bench", help="bounded load test of a server on 127.0.0.1")
-    server_load.add_arguments(b)
+    bench.add_arguments(b)
 
     e = sub.add_parser("export", help="a run's best drafter as a Hugging Face drafter checkpoint")
     e.add_argument("--run-dir", required=True, help="a run directory written by train.py")
@@ -79,16 +80,14 @@ def add_subcommands(sub) -> None:
 def run(args) -> int:
     """Dispatch `serve` / `bench` (argparse namespace from `add_subcommands`)."""
     if args.cmd == "bench":
-        return server_load.run_cli(args)
+        return bench.run_cli(args)
     if args.cmd == "export":
         return export(args)
-    from dspark_jax.run.cli import report, user_errors
-
     # our start-up lines at --log-level; other libraries' (absl, orbax) at WARNING
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     log.setLevel(args.log_level.upper())
     try:
-        server_load.check_local(f"http://{args.host}")  # refuse to bind beyond this machine
+        check_local(f"http://{args.host}")  # refuse to bind beyond this machine
     except ValueError:
         log.warning("binding %s: the server is reachable from other machines", args.host)
     try:
@@ -143,7 +142,6 @@ def _load(args):
 
 def export(args) -> int:
     """`serve.py export`: a run's best drafter as a Hugging Face drafter checkpoint."""
-    from dspark_jax.run.cli import report, user_errors
     from dspark_jax.run.rundir import RunDir
 
     try:
@@ -163,16 +161,10 @@ def _cost_profile(args, run_cost, run_where, n_params: int, policy: str):
     if run_cost is not None:
         log.info("cost profile: %s (measured for this run)", run_where)
         return run_cost
-    shipped = [f for f in SHIPPED_PROFILES if f.is_file()]
-    if not shipped:
-        raise ValueError(
-            f"policy {policy} needs a cost profile and there is none"
-            + (f" in the run ({run_where})" if run_where else "")
-            + " — pass --cost-profile FILE (benchmarks/decode_cost.py writes one) or --policy fixed"
-        )
+    shipped = {f: json.loads(read_shipped(f)) for f in SHIPPED_PROFILES}
 
     def distance(f):  # the shipped profile measured on the model closest in size
-        meta = json.loads(f.read_text())["cost_profile"].get("meta", {})
+        meta = shipped[f]["cost_profile"].get("meta", {})
         return abs(math.log(max(meta.get("params", 1), 1) / max(n_params, 1)))
 
     best = min(shipped, key=distance)
@@ -181,7 +173,12 @@ def _cost_profile(args, run_cost, run_where, n_params: int, policy: str):
         "machine — Algorithm 1's choices may be off; measure one with benchmarks/decode_cost.py "
         "and pass --cost-profile", f" (no {run_where})" if run_where else "", best,
     )  # fmt: skip
-    return CostProfile.load(best)
+    return CostProfile.from_dict(shipped[best])
+
+
+def read_shipped(name: str) -> str:
+    """The text of a cost profile shipped in dspark_jax/data (works from a wheel too)."""
+    return resources.files("dspark_jax.data").joinpath(name).read_text()
 
 
 def build_engine(args):
@@ -229,9 +226,3 @@ def build_app(args):
              engine.compilations, time.perf_counter() - t0, engine.num_slots, engine.max_len,
              engine.token_buckets)  # fmt: skip
     return create_app(engine, tok, name, stop_ids=stop_ids, drain_timeout_s=args.drain_timeout)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    add_subcommands(ap.add_subparsers(dest="cmd", required=True))
-    return run(ap.parse_args(argv))

@@ -1,21 +1,32 @@
-"""Rendering conversations with the tokenizer's chat template, the assistant-only loss mask
-(REFERENCE §1.3: regex from after the assistant header to and including the end-of-turn string;
-character offsets → token offsets by re-tokenizing prefixes), and prompts for generation.
+"""Chat templates, read by training and by serving alike: the ChatML template of the tokenizers
+we train, rendering conversations with a tokenizer's template and the assistant spans the loss
+covers (REFERENCE §1.3: from after the assistant header to and including the end-of-turn string),
+and generation prompts (REFERENCE §6.1).
+
+Conversations and messages are duck-typed (`train.data.Conversation` / `Message` or anything with
+`as_dicts()` / `role` and `content`), so this module needs nothing but numpy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from dspark_jax.train.data import Conversation, Message, ReadStats, TokenizedSample
+# The chat template of the byte-level BPE tokenizers train/tokenizer.py trains (ChatML).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
 
 # ------------------------------------------------------------------------------------------------
-# Rendering and the loss mask (REFERENCE §1.3)
+# Rendering and the supervised spans (REFERENCE §1.3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +82,7 @@ def _template_kwargs(enable_thinking: bool | None) -> dict[str, Any]:
     return {} if enable_thinking is None else {"enable_thinking": enable_thinking}
 
 
-def render_conversation(tokenizer: Any, conversation: Conversation, cfg: RenderConfig) -> str:
+def render_conversation(tokenizer: Any, conversation: Any, cfg: RenderConfig) -> str:
     """The full training text: system prompt rule, content prefix, chat template, no gen prompt."""
     messages = conversation.as_dicts()
     if cfg.default_system_prompt is not None and (not messages or messages[0]["role"] != "system"):
@@ -106,63 +117,6 @@ def assistant_char_spans(text: str, cfg: RenderConfig) -> list[tuple[int, int]]:
     return [(m.start(1), m.end()) for m in re.finditer(pattern, text, flags=re.DOTALL)]
 
 
-def _encode_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    if not texts:
-        return []
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-
-def encode_conversations(
-    tokenizer: Any,
-    conversations: Iterable[Conversation],
-    cfg: RenderConfig = RenderConfig(),
-    *,
-    source: str = "conversations",
-    chunk_size: int = 256,
-) -> tuple[list[TokenizedSample], ReadStats]:
-    """Render, tokenize, truncate and mask conversations; drop those under `min_loss_tokens`.
-
-    The mask marks tokens `[len(tok(text[:s])), len(tok(text[:e])))` for every assistant char
-    span `[s, e)` (prefix token counts capped at `max_length`, clipped to the sequence), so it
-    covers assistant content plus the end-of-turn token(s) and nothing of system/user/headers.
-    A sample with no supervised token is always dropped. Tokenization never adds special tokens
-    (the template already wrote them).
-    """
-    stats = ReadStats(source=source)
-    samples: list[TokenizedSample] = []
-    convs = list(conversations)
-    for lo in range(0, len(convs), chunk_size):
-        chunk = convs[lo : lo + chunk_size]
-        texts = [render_conversation(tokenizer, c, cfg) for c in chunk]
-        spans = [assistant_char_spans(t, cfg) for t in texts]
-        prefixes = [t[:pos] for t, sp in zip(texts, spans) for s, e in sp for pos in (s, e)]
-        full_ids = _encode_batch(tokenizer, texts)
-        prefix_lens = iter(len(p) for p in _encode_batch(tokenizer, prefixes))
-        for conv, ids, sp in zip(chunk, full_ids, spans):
-            stats.read += 1
-            ids_L = np.asarray(ids[: cfg.max_length], dtype=np.int32)  # right truncation
-            mask_L = np.zeros(ids_L.shape, dtype=np.uint8)
-            for _ in sp:
-                start = min(next(prefix_lens), cfg.max_length)
-                end = min(next(prefix_lens), cfg.max_length)
-                mask_L[start:end] = 1
-            n_loss = int(mask_L.sum())
-            if n_loss == 0 or n_loss < cfg.min_loss_tokens:
-                stats.drop(f"fewer than {max(cfg.min_loss_tokens, 1)} loss tokens")
-                continue
-            samples.append(TokenizedSample(ids_L, mask_L, id=conv.id, domain=conv.domain))
-            stats.kept += 1
-    return samples, stats
-
-
-def encode_conversation(
-    tokenizer: Any, conversation: Conversation, cfg: RenderConfig = RenderConfig()
-) -> TokenizedSample | None:
-    """One conversation; `None` when it would be dropped (see `encode_conversations`)."""
-    samples, _ = encode_conversations(tokenizer, [conversation], cfg)
-    return samples[0] if samples else None
-
-
 # ------------------------------------------------------------------------------------------------
 # Prompts for generation / evaluation
 
@@ -172,10 +126,10 @@ def _as_messages(prompt: str | Sequence[Any]) -> list[dict[str, str]]:
         return [{"role": "user", "content": prompt}]
     out = []
     for m in prompt:
-        if isinstance(m, Message):
-            out.append({"role": m.role, "content": m.content})
-        elif isinstance(m, Mapping) and "role" in m and "content" in m:
+        if isinstance(m, Mapping) and "role" in m and "content" in m:
             out.append({"role": m["role"], "content": m["content"]})
+        elif hasattr(m, "role") and hasattr(m, "content"):  # train.data.Message
+            out.append({"role": m.role, "content": m.content})
         else:
             raise TypeError(
                 "format_prompt takes a user message string or a list of {role, content} messages; "

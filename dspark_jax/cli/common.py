@@ -1,4 +1,5 @@
-"""What `train.py` and `serve.py` share: the user-facing error types and their one-line report.
+"""What `train.py` and `serve.py` share: the user-facing error types and their one-line report,
+and the runtime start-up (dspark_jax/runtime.py) printed once.
 
 A user mistake (bad config value, missing or malformed file, corrupt checkpoint, invalid sampling
 knob, a request that does not fit) ends the process with exit code 2 and one line on stderr,
@@ -7,8 +8,11 @@ knob, a request that does not fit) ends the process with exit code 2 and one lin
 
 from __future__ import annotations
 
+import argparse
 import sys
 import traceback
+
+from dspark_jax import runtime, xla_cpu
 
 EXIT_USER_ERROR = 2
 
@@ -39,3 +43,24 @@ def report(e: BaseException, debug: bool = False) -> int:
         traceback.print_exception(e)
     print(f"error: {format_error(e)}", file=sys.stderr)
     return EXIT_USER_ERROR
+
+
+def start_runtime(*, announce: bool = True) -> None:
+    """Before anything touches devices or compiles: the persistent compilation cache (a restart
+    reads back every compiled bucket) and the unrolled threefry (the same random bits, drawn
+    faster on CPU: xla_cpu.py); then one line on stdout saying what the process runs with."""
+    cache = runtime.enable_compilation_cache()
+    threefry = xla_cpu.unrolled_threefry()
+    if announce:
+        print(runtime.describe(cache, threefry), flush=True)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
