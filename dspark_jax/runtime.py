@@ -143,6 +143,26 @@ def describe(cache: Path | None, threefry: bool, s: Settings | None = None) -> s
     return "runtime: " + ", ".join(parts)
 
 
+# simulated CPU devices share a few cores: one collective's threads can wait longer than XLA:CPU's
+# default 40 s before it aborts the process (seen with 8 devices on 2 loaded cores); the flag
+# exists from jaxlib 0.10 on (an unknown XLA_FLAGS entry aborts, so it is given only there)
+COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+
+
+def patient_cpu_collectives(environ=None) -> bool:
+    """With simulated CPU devices asked for in XLA_FLAGS, give their collectives 15 minutes
+    instead of 40 s (unless the user set the timeout). Call before JAX starts a backend."""
+    environ = os.environ if environ is None else environ
+    flags = environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags or COLLECTIVE_TIMEOUT_FLAG in flags:
+        return False
+    if (release("jaxlib") or (0, 0)) < (0, 10):
+        return False
+    environ["XLA_FLAGS"] = f"{flags} {COLLECTIVE_TIMEOUT_FLAG}=900".strip()
+    settings.cache_clear()
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # huge pages
 

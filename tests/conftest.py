@@ -5,6 +5,10 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# the simulated devices' collectives wait for each other's threads: on 2 loaded cores that can
+# take longer than XLA:CPU's default 40 s, after which it aborts the process
+if "collective_call_terminate_timeout" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_cpu_collective_call_terminate_timeout_seconds=900"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -25,7 +25,12 @@ def _env(devices: int) -> dict:
     env = dict(os.environ, TQDM_DISABLE="1", JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        # 8 simulated devices share 2 cores: a collective's threads can wait longer than XLA's
+        # default 40 s abort while another process compiles (seen on a loaded machine)
+        env["XLA_FLAGS"] = (
+            f"--xla_force_host_platform_device_count={devices} "
+            "--xla_cpu_collective_call_terminate_timeout_seconds=900"
+        )
     return env
 
 

@@ -46,3 +46,14 @@ def test_shipped_cost_profiles_are_package_data():
         assert CostProfile.from_dict(json.loads(text)).tokens
         if (results / name).is_file():
             assert json.loads(text) == json.loads((results / name).read_text())
+
+
+def test_simulated_devices_get_patient_collectives():
+    from dspark_jax import runtime
+
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    assert runtime.patient_cpu_collectives(env)
+    assert f"{runtime.COLLECTIVE_TIMEOUT_FLAG}=900" in env["XLA_FLAGS"]
+    assert not runtime.patient_cpu_collectives(env)  # given once; the user's own value kept
+    plain = {"XLA_FLAGS": ""}
+    assert not runtime.patient_cpu_collectives(plain) and plain["XLA_FLAGS"] == ""

@@ -49,6 +49,7 @@ def start_runtime(*, announce: bool = True) -> None:
     """Before anything touches devices or compiles: the persistent compilation cache (a restart
     reads back every compiled bucket) and the unrolled threefry (the same random bits, drawn
     faster on CPU: xla_cpu.py); then one line on stdout saying what the process runs with."""
+    runtime.patient_cpu_collectives()
     cache = runtime.enable_compilation_cache()
     threefry = xla_cpu.unrolled_threefry()
     if announce:
