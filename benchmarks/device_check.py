@@ -13,7 +13,10 @@ On a GPU or TPU (a few minutes):
    XLA's compiled memory analysis of the micro-step;
 3. serve: the serving frontier of that pair: plain greedy `generate` tokens/s (the baseline, in
    the same run) and speculative greedy decoding with verification lengths 1..γ at batch 1 and
-   8: tokens/s, mean accepted drafts per round and the speed-up over the baseline.
+   8: tokens/s, mean accepted drafts per round and the speed-up over the baseline;
+4. round: the batch-1 round's parts at T = 1 next to a plain decode step (`eval/speed.py`):
+   drafting's share of a round, host-scheduled and with 16 device-resident rounds per call
+   (the accelerator goal: drafting <= 15% of the resident round).
 
 On CPU the same steps run reduced (tiny target, a few steps, batch 1, fewer tests) and the JSON
 says `"reduced": true` with the reason: CPU numbers are not accelerator figures.
@@ -168,6 +171,36 @@ def run_serve(tcfg, tparams, dcfg, dparams, args) -> dict:
     return out
 
 
+def run_round(tcfg, tparams, dcfg, dparams, args) -> dict:
+    """The round's parts at batch 1 (eval/speed.round_breakdown, T = 1): drafting's share of a
+    host-scheduled round and of a round with 16 device-resident rounds per call; the goal is
+    drafting <= 15% of the resident round."""
+    import numpy as np
+
+    from dspark_jax.eval.speed import round_breakdown
+
+    prompt = np.random.default_rng(2).integers(0, tcfg.vocab_size, 16).tolist()
+    bd = round_breakdown(
+        tcfg, tparams, {"dspark": (dcfg, dparams)}, prompt, temperature=1.0,
+        reps=args.round_reps, resident_rounds=16,
+    )  # fmt: skip
+    row, res = bd["drafters"]["dspark"], bd.get("resident") or {}
+    share = res.get("draft_share_of_round")
+    return {
+        "step_ms": round(bd["step_ms"], 4),
+        "verify_in_steps": {str(k): round(v, 3) for k, v in bd["verify_forward_in_steps"].items()},
+        "draft_ms": round(row["draft_ms"], 4),
+        "round_ms": round(row["round_ms"], 4),
+        "draft_share_of_round": round(row["draft_share_of_round"], 4),
+        "resident_round_ms": round(res["round_ms"], 4) if res else None,
+        "resident_draft_share_of_round": None if share is None else round(share, 4),
+        "resident_host_share_of_round": round(res["host_share_of_round"], 4) if res else None,
+        "draft_share_goal": 0.15,
+        "draft_share_goal_met": None if share is None else bool(share <= 0.15),
+        "compilations_during_timing": bd["compilations_during_timing"],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/device_check.json")
@@ -191,11 +224,13 @@ def main() -> int:
         tcfg = tiny_target_config()
         args.steps, args.batch, args.seq_len, args.sequences = 4, 4, 64, 16
         args.new_tokens, args.serve_batches, args.verify_lens = 32, [1], [4]
+        args.round_reps = 2
         dkw = dict(num_layers=1, block_size=4, num_anchors=16, markov_rank=16)
     else:
         tcfg = small_target_config()
         args.steps, args.batch, args.seq_len, args.sequences = 60, 16, 256, 256
         args.new_tokens, args.serve_batches, args.verify_lens = 128, [1, 8], None
+        args.round_reps = 7
         dkw = dict(num_layers=2, block_size=7, num_anchors=64, markov_rank=64)
     dcfg = DrafterConfig.dspark(tcfg, mask_token_id=tcfg.vocab_size - 1, **dkw)
     result: dict = {
@@ -217,6 +252,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         result["train"], dparams = run_train(tcfg, tparams, dcfg, args, Path(d) / "run")
     result["serve"] = run_serve(tcfg, tparams, dcfg, dparams, args)
+    result["round"] = run_round(tcfg, tparams, dcfg, dparams, args)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(result, indent=1, default=str)
     print(text)
