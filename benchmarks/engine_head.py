@@ -1,6 +1,7 @@
-"""The serving engine's target form on CPU: the tied LM head run from an untied [H, V] copy and
-the q|k|v / gate|up products kept separate, against the forms before, on a demo run's models, in
-one process.
+"""The serving engine's target form on CPU: the tied LM head run from an untied [H, V] copy, and
+the drafter reading the target's own tables, against the forms without, on a demo run's models,
+in one process. (The fused q|k|v / gate|up form this also compared is gone from the engine: it
+was 17% slower, benchmarks/results/engine_head.json's `unfused_gain`.)
 
     python benchmarks/engine_head.py --run-dir runs/tiny [--prompts 4] [--passes 5]
 
@@ -11,19 +12,16 @@ Batch 1, the evaluate stage's speed protocol (`benchmarks/batch1.py`, as engine_
     spec          DSpark on a 1-slot ServingEngine, 8 device-resident rounds per call, fixed γ,
                   as shipped: untied head, separate products
     spec_tied     the same engine with the tied head (`serving.untie_applies` off)
-    spec_fused    untied head, fused products (`models.packed`'s `fused`, the kernels
-                  concatenated once per call)
-    spec_before   tied head and fused products: the engine before this change
     spec_unshared as shipped, but the drafter reads its own copies of the target's embedding and
                   LM head (`drafters.share_target_tables` off)
 
-The five engines' tokens are compared on the warm-up pass.
+The three engines' tokens are compared on the warm-up pass.
 
 Prints ONE JSON object: `<variant>_ms_per_token` (wall time over tokens emitted, all passes),
-`speedup` = plain / spec, `speedup_before` = plain / spec_before, `speedup_pass_min` / `_max`
-(the passes' own ratios, as shipped), `head_gain` = spec_tied / spec, `unfused_gain` =
-spec_fused / spec, `share_gain` = spec_unshared / spec, `plain_untied_ratio` = plain_untied / plain ms per token, `round_ms` /
-`round_before_ms` (wall time per round), `tokens_per_round`, `same_tokens` (the five engines
+`speedup` = plain / spec, `speedup_pass_min` / `_max` (the passes' own ratios, as shipped),
+`head_gain` = spec_tied / spec, `share_gain` = spec_unshared / spec, `plain_untied_ratio` =
+plain_untied / plain ms per token, `round_ms` (wall time per round), `tokens_per_round`,
+`same_tokens` (the three engines
 emitted the same tokens on every warm-up prompt), `prompts`, `passes`, `platform`.
 """
 
@@ -43,20 +41,11 @@ if __name__ == "__main__":
 
 import jax  # noqa: E402
 
-from benchmarks.batch1 import Batch1, fail, ms_per_token, parser, round_ms, summary  # noqa: E402
+from benchmarks.batch1 import Batch1, fail, ms_per_token, parser, summary  # noqa: E402
 from dspark_jax.engine import serving  # noqa: E402
 from dspark_jax.models import transformer as tf  # noqa: E402
 
 NAME = "engine_head"
-
-
-def _fused(eng):
-    """The engine's programs rebuilt with fused products (the form before)."""
-    one_set, _ = eng.verify_form
-    eng.verify_form = (one_set, True)
-    eng.round_fn, eng.rounds_fn = serving._round_programs(one_set, True)
-    eng._jit_programs()
-    return eng
 
 
 def main() -> None:
@@ -68,9 +57,9 @@ def main() -> None:
     if not serving.untie_applies(b.tcfg, b.tparams):
         fail(NAME, "this run's target is not run untied by the engine (an untied head, or a "
              "table over serving.UNTIE_MAX_BYTES): nothing to compare")  # fmt: skip
-    spec_eng, fused_eng = b.speed_decoder(), _fused(b.speed_decoder())
+    spec_eng = b.speed_decoder()
     with mock.patch.object(serving, "untie_applies", lambda *a: False):
-        tied_eng, before_eng = b.speed_decoder(), _fused(b.speed_decoder())
+        tied_eng = b.speed_decoder()
     with mock.patch.object(serving, "share_target_tables", lambda dparams, tparams: dparams):
         unshared_eng = b.speed_decoder()
     assert not spec_eng.tcfg.tie_word_embeddings and tied_eng.tcfg.tie_word_embeddings
@@ -79,21 +68,16 @@ def main() -> None:
         "plain_untied": b.plain(*tf.untie_lm_head(b.tcfg, b.tparams)),
         "spec": b.spec(spec_eng),
         "spec_tied": b.spec(tied_eng),
-        "spec_fused": b.spec(fused_eng),
-        "spec_before": b.spec(before_eng),
         "spec_unshared": b.spec(unshared_eng),
     }
-    engines = ("spec", "spec_tied", "spec_fused", "spec_before", "spec_unshared")
+    engines = ("spec", "spec_tied", "spec_unshared")
     acc, same = b.run(variants, compare=engines)
     ms = ms_per_token(acc)
     res = {
         **summary(acc),
-        "speedup_before": round(ms["plain"] / ms["spec_before"], 4),
         "head_gain": round(ms["spec_tied"] / ms["spec"], 4),
-        "unfused_gain": round(ms["spec_fused"] / ms["spec"], 4),
         "share_gain": round(ms["spec_unshared"] / ms["spec"], 4),
         "plain_untied_ratio": round(ms["plain_untied"] / ms["plain"], 4),
-        "round_before_ms": round(round_ms(acc, "spec_before"), 3),
         "same_tokens": bool(same),
         "prompts": len(b.prompts),
     }

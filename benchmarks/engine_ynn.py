@@ -45,7 +45,7 @@ import jax  # noqa: E402
 
 from benchmarks.batch1 import Batch1, fail, ms_per_token, parser, round_ms, summary  # noqa: E402
 from dspark_jax import xla_cpu  # noqa: E402
-from dspark_jax.engine import serving  # noqa: E402
+from dspark_jax.engine import programs  # noqa: E402
 from dspark_jax.models import decoding  # noqa: E402
 from dspark_jax.models import generate as gen  # noqa: E402
 
@@ -64,7 +64,7 @@ def main() -> None:
     p, prompts, e = b.pipeline, b.prompts, b.eval_cfg
     stop, temp, n_new = p.stop_ids(), e.temperature, e.max_new_tokens
     spec_eng = b.speed_decoder()
-    with mock.patch.object(serving, "engine_compiler_options", lambda: None):
+    with mock.patch.object(programs, "engine_compiler_options", lambda: None):
         spec_default_eng = b.speed_decoder()
     one = jax.jit(decoding._generate, static_argnames=("cfg", "scfg", "cache_len"),
                   compiler_options=xla_cpu.batch1_decode_compiler_options())  # fmt: skip
@@ -84,7 +84,7 @@ def main() -> None:
 
     # 8 slots: the evaluate stage's decoder, host-scheduled rounds
     dec8 = eval_decoder(p, "dspark", b.longest)
-    with mock.patch.object(serving, "engine_compiler_options", lambda: None):
+    with mock.patch.object(programs, "engine_compiler_options", lambda: None):
         dec8_default = eval_decoder(p, "dspark", b.longest)
     nb = dec8.num_slots
 

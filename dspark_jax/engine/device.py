@@ -15,6 +15,10 @@ active slot) are packed into a flat static bucket of T tokens (`models.packed`),
 cost follows `R + sum l_r`; attention reads are bounded by a cache-length bucket. Then it runs
 `spec.verify_core` per slot, commits (cache length, drafter context, anchor) and drafts the next
 block with noise keyed by (seed, round counter, position) (`spec.rng.DRAFT_ROUND`).
+
+Both programs take `(spec, tparams, dparams, state, inputs)`: a static, hashable spec (configs,
+sampling mode, buckets: `PrefillSpec`, `RoundSpec`) and the arrays as one NamedTuple pytree
+(`PrefillInputs`, `RoundInputs`). `engine.programs.EnginePrograms` jits and calls them.
 """
 
 from __future__ import annotations

@@ -51,11 +51,11 @@ def _created(fn, sharding):
 
 
 def _jitted(state_sharding, replicated):
-    """(prefill, round, rounds) jitted with the engine's XLA:CPU option; on a mesh their outputs
-    pinned to the state's shardings (the rest replicated)."""
-    opts = engine_compiler_options()
+    """(prefill, round, rounds) jitted with the engine's XLA:CPU option (read for each, in that
+    order); on a mesh their outputs pinned to the state's shardings (the rest replicated)."""
 
     def kw(n_replicated):
+        opts = engine_compiler_options()
         if state_sharding is None:
             return {"compiler_options": opts}
         outs = (state_sharding,) + (replicated,) * n_replicated
