@@ -187,6 +187,9 @@ def test_a_config_object_builds_the_same_engine_as_its_keywords(pair, refs):
         ServingEngine(tcfg, dcfg, tp, dp, config=cfg, num_slots=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.num_slots = 3
+    with pytest.raises(ConfigError, match="max_position_embeddings"):  # checked like keywords
+        too_long = tcfg.max_position_embeddings + 1
+        ServingEngine(tcfg, dcfg, tp, dp, config=dataclasses.replace(cfg, max_len=too_long))
 
 
 def test_background_thread_streams_and_shutdown(engine, refs):

@@ -94,6 +94,12 @@ class EngineConfig:
             root_seed=root_seed,
         )
 
+    def for_models(self, tcfg, dcfg) -> EngineConfig:
+        """This config checked and resolved by `build` for these models (γ from the drafter);
+        a config `build` made for them comes back equal."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "gamma"}
+        return EngineConfig.build(tcfg, dcfg, **kw)
+
     @property
     def single_program(self) -> bool:
         """One (token, cache) bucket pair: one verify program per mode."""

@@ -96,6 +96,8 @@ class ServingEngine:
             config = EngineConfig.build(tcfg, dcfg, **config_kw)
         elif config_kw:
             raise TypeError(f"pass config= or its keywords, not both: {sorted(config_kw)}")
+        else:  # checked against these models, like the keywords
+            config = config.for_models(tcfg, dcfg)
         tcfg, tparams, dparams = _engine_params(tcfg, tparams, dparams)
         self.config = config
         self.programs = EnginePrograms(tcfg, dcfg, tparams, dparams, config, mesh)
