@@ -42,6 +42,7 @@ from dspark_jax import drafters  # noqa: E402
 from dspark_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids  # noqa: E402
 from dspark_jax.engine import RequestParams, ServingEngine  # noqa: E402
 from dspark_jax.engine import device as dev  # noqa: E402
+from dspark_jax.engine.device import PrefillInputs  # noqa: E402
 from dspark_jax.models import transformer as tf  # noqa: E402
 from dspark_jax.models.generate import generate  # noqa: E402
 
@@ -73,6 +74,33 @@ def _timed(fn) -> float:
 def _min_ms(fn, reps) -> float:
     fn()
     return 1e3 * min(_timed(fn) for _ in range(reps))
+
+
+def _components(eng, tcfg, tp, dcfg, dp, b, reps):
+    """(verify forward ms, proposal ms) of a round on the engine's state after a prefill, drafts
+    verified in full."""
+    state = eng.programs.state
+    lengths = jnp.full((b,), dcfg.block_size, jnp.int32)
+    active = jnp.ones((b,), bool)
+    fwd = jax.jit(dev.verify_forward, static_argnums=(0, 1, 2, 3))
+    t_fwd = b * (dcfg.block_size + 1)
+    verify_ms = _min_ms(
+        lambda: jax.block_until_ready(fwd(tcfg, dcfg, t_fwd, 256, tp, state, lengths, active)[0]),
+        reps * 3,
+    )
+    seeds = jnp.zeros((b,), jnp.uint32)
+    prop = jax.jit(drafters.propose, static_argnames=("cfg", "scfg"))
+    from dspark_jax.spec.sampling import SamplingConfig
+
+    g1 = SamplingConfig(greedy=True)
+    propose_ms = _min_ms(
+        lambda: jax.block_until_ready(
+            prop(dcfg, dp, state.ctx, state.anchor, eng.programs.key, seeds, None, g1,
+                 rounds_B=state.rounds).tokens
+        ),
+        reps * 3,
+    )  # fmt: skip
+    return verify_ms, propose_ms
 
 
 def bench_batch(tcfg, tp, dcfg, dp, b, ks, reps):
@@ -123,29 +151,7 @@ def bench_batch(tcfg, tp, dcfg, dp, b, ks, reps):
     }
     best = min(round_ms, key=round_ms.get)
 
-    # components of a round (state after a prefill, drafts verified in full)
-    eng = engines[ks[0]]
-    state = eng.state
-    lengths = jnp.full((b,), dcfg.block_size, jnp.int32)
-    active = jnp.ones((b,), bool)
-    fwd = jax.jit(dev.verify_forward, static_argnums=(0, 1, 2, 3))
-    t_fwd = b * (dcfg.block_size + 1)
-    verify_ms = _min_ms(
-        lambda: jax.block_until_ready(fwd(tcfg, dcfg, t_fwd, 256, tp, state, lengths, active)[0]),
-        reps * 3,
-    )
-    seeds = jnp.zeros((b,), jnp.uint32)
-    prop = jax.jit(drafters.propose, static_argnames=("cfg", "scfg"))
-    from dspark_jax.spec.sampling import SamplingConfig
-
-    g1 = SamplingConfig(greedy=True)
-    propose_ms = _min_ms(
-        lambda: jax.block_until_ready(
-            prop(dcfg, dp, state.ctx, state.anchor, eng.key, seeds, None, g1,
-                 rounds_B=state.rounds).tokens
-        ),
-        reps * 3,
-    )  # fmt: skip
+    verify_ms, propose_ms = _components(engines[ks[0]], tcfg, tp, dcfg, dp, b, reps)
     return {
         "batch": b,
         "plain_step_ms": step,
@@ -175,11 +181,18 @@ def bench_prefill(tcfg, tp, dcfg, dp, reps):
     for s in (128, 1024):
 
         def run(s=s):
-            eng.state, first, _ = eng._prefill(
-                eng.tcfg, dcfg, eng._scfg("greedy"), s, *eng.program_params, eng.state, np.int32(0), toks,
-                toks, np.int32(0), np.int32(PROMPT), np.bool_(True), np.uint32(0), None,
-                eng.key,
-            )  # fmt: skip
+            inputs = PrefillInputs(
+                np.int32(0),
+                toks,
+                toks,
+                np.int32(0),
+                np.int32(PROMPT),
+                np.bool_(True),
+                np.uint32(0),
+                None,
+                eng.programs.key,
+            )
+            first, _ = eng.programs.step_prefill(inputs, mode="greedy", cache_len=s)
             jax.block_until_ready(first)
 
         out[str(s)] = _min_ms(run, reps * 3)
@@ -188,13 +201,13 @@ def bench_prefill(tcfg, tp, dcfg, dp, reps):
 
 def bench_dispatch(tcfg, tp, dcfg, dp, reps):
     """One jitted call's dispatch with a round's arguments (a no-op, blocked): the params as
-    the engine passes them (`program_params`, flattened once) vs as `nnx.State`s."""
+    the engine passes them (`EnginePrograms.params`, flattened once) vs as `nnx.State`s."""
     from dspark_jax.eval.speed import _noop
 
     eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=1, max_len=MAX_LEN, modes=("greedy",))
     out = {}
-    for name, (a, b) in (("flat", eng.program_params), ("nnx_state", (tp, dp))):
-        run = lambda a=a, b=b: jax.block_until_ready(_noop(a, b, eng.state))
+    for name, (a, b) in (("flat", eng.programs.params), ("nnx_state", (tp, dp))):
+        run = lambda a=a, b=b: jax.block_until_ready(_noop(a, b, eng.programs.state))
         out[name] = _min_ms(lambda run=run: [run() for _ in range(100)], reps) / 100
     return out
 

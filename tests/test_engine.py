@@ -167,6 +167,31 @@ def test_queue_full(pair):
         eng.submit([1], RequestParams(2, temperature=0.0))
 
 
+def test_a_config_object_builds_the_same_engine_as_its_keywords(pair, refs):
+    """`config=EngineConfig.build(...)` and the constructor's keywords give the same config and
+    the same tokens; both at once is a TypeError; the config is frozen."""
+    import dataclasses
+
+    from dspark_jax.engine import EngineConfig
+
+    tcfg, tp, dcfg, dp = pair
+    kw = dict(num_slots=2, max_len=96, prompt_buckets=(16,), token_buckets=(10,), modes=("greedy",))
+    cfg = EngineConfig.build(tcfg, dcfg, **kw)
+    a = ServingEngine(tcfg, dcfg, tp, dp, config=cfg)
+    b = ServingEngine(tcfg, dcfg, tp, dp, **kw)
+    assert a.config == b.config == cfg and cfg.cache_buckets == (96,) and cfg.gamma == G
+    for eng in (a, b):
+        out = eng.generate(PROMPTS[:2], max_new_tokens=MAX_NEW[:2], temperature=0.0)
+        assert [o.tokens for o in out] == refs[:2]
+    with pytest.raises(TypeError, match="not both"):
+        ServingEngine(tcfg, dcfg, tp, dp, config=cfg, num_slots=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_slots = 3
+    with pytest.raises(ConfigError, match="max_position_embeddings"):  # checked like keywords
+        too_long = tcfg.max_position_embeddings + 1
+        ServingEngine(tcfg, dcfg, tp, dp, config=dataclasses.replace(cfg, max_len=too_long))
+
+
 def test_background_thread_streams_and_shutdown(engine, refs):
     engine.set_policy("fixed")
     engine.start()

@@ -13,6 +13,7 @@ import numpy as np
 from dspark_jax import drafters
 from dspark_jax.engine import ServingEngine
 from dspark_jax.engine import serving as serving_lib
+from dspark_jax.engine.device import RoundInputs
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.generate import generate
 from dspark_jax.testing import (
@@ -58,9 +59,12 @@ def _head_dots(eng, mode="greedy"):
     """The compiled one-round program's dots that produce [T, V] from the target's final hidden
     state: their rhs contracting dimension (1 = the tied [V, H] table read transposed)."""
     t = G + 1
-    args = (eng.tcfg, eng.dcfg, eng._scfg(mode), t, eng.max_len, *eng.program_params, eng.state,
-            np.full(1, G, np.int32), np.ones(1, bool), np.zeros(1, np.uint32), None, eng.key)  # fmt: skip
-    text = eng._round.lower(*args).compile().as_text()
+    progs = eng.programs
+    inputs = RoundInputs(np.full(1, G, np.int32), np.ones(1, bool), np.zeros(1, np.uint32), None,
+                         progs.key)  # fmt: skip
+    lowered = progs.lower_round(progs.state, inputs, mode=mode, num_tokens=t,
+                                cache_len=eng.max_len)  # fmt: skip
+    text = lowered.compile().as_text()
     v = eng.tcfg.vocab_size
     return re.findall(rf"= f32\[{t},{v}\]\S* dot\(.*?rhs_contracting_dims=\{{(\d)\}}", text)
 
@@ -89,26 +93,30 @@ def test_an_untied_target_is_left_as_it_is():
     assert not serving_lib.untie_applies(tcfg, tp)
     dcfg = tiny_drafter_config("dspark", tcfg, block_size=G)
     eng = ServingEngine(tcfg, dcfg, tp, drafters.init_params(dcfg, seed=1, target_params=tp), **KW)
-    assert eng.tcfg is tcfg and eng.tparams is tp
+    assert eng.tcfg is tcfg and eng.programs.tparams is tp
 
 
 def test_the_engine_reads_the_targets_tables_for_the_drafters_frozen_copies():
     tcfg, tp, dcfg, dp = _tied()
     eng = ServingEngine(tcfg, dcfg, tp, dp, **KW)
     # the drafter's frozen copies are the target's arrays (the untied head's copy included)
-    assert eng.dparams.frozen["lm_head"][...] is eng.tparams["lm_head"]["kernel"][...]
-    assert eng.dparams.frozen["embed_tokens"][...] is eng.tparams["embed_tokens"][...]
-    leaves = eng.program_params[1].leaves
-    assert any(x is eng.tparams["lm_head"]["kernel"][...] for x in leaves)
+    tparams, dparams = eng.programs.tparams, eng.programs.dparams
+    assert dparams.frozen["lm_head"][...] is tparams["lm_head"]["kernel"][...]
+    assert dparams.frozen["embed_tokens"][...] is tparams["embed_tokens"][...]
+    leaves = eng.programs.params[1].leaves
+    assert any(x is tparams["lm_head"]["kernel"][...] for x in leaves)
     # a drafter head that differs from the target's is kept; the trainable leaves are untouched
     other = dp.frozen["lm_head"][...].at[0, 0].add(1.0)
     frozen = jax.tree.map(lambda x: x, dp.frozen)
     frozen["lm_head"] = frozen["lm_head"].replace(other)
     dp2 = dp._replace(frozen=frozen)
     eng2 = ServingEngine(tcfg, dcfg, tp, dp2, **KW)
-    assert eng2.dparams.frozen["lm_head"][...] is other
-    assert eng2.dparams.frozen["embed_tokens"][...] is eng2.tparams["embed_tokens"][...]
-    assert eng2.dparams.trainable is dp2.trainable
+    assert eng2.programs.dparams.frozen["lm_head"][...] is other
+    assert (
+        eng2.programs.dparams.frozen["embed_tokens"][...]
+        is eng2.programs.tparams["embed_tokens"][...]
+    )
+    assert eng2.programs.dparams.trainable is dp2.trainable
     # shared or not, the engine emits what plain decoding of the target emits
     p = PROMPTS[1]
     assert (

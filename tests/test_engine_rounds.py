@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_jax.engine import RequestParams, ServingEngine
-from dspark_jax.engine.rounds import threshold_cuts
+from dspark_jax.engine.config import sampling_rows
+from dspark_jax.engine.device import RoundInputs
+from dspark_jax.engine.rounds import RoundsInputs, threshold_cuts
 from dspark_jax.models.generate import generate
 from dspark_jax.sched.sts import STS
 from dspark_jax.testing import CompileCounter
@@ -116,13 +118,13 @@ def test_one_verify_program_runs_in_place_with_the_same_tokens():
         if q.temperature == 0.0:
             assert b[0].tokens == generate(tcfg, tp, [p], max_new_tokens=q.max_new_tokens)[0]
     stop = np.full((1, MAX_STOP_IDS), -1, np.int32)
-    lowered = many._rounds.lower(
-        many.tcfg, dcfg, many._scfg("filtered"), many.token_buckets, many.cache_buckets, 4,
-        *many.program_params, many.state, np.ones(1, bool), np.zeros(1, np.uint32),
-        many._sp_rows([reqs[0]], "filtered"), many.key, np.full(1, 50, np.int32), stop,
-        np.int32(G), np.bool_(False), np.zeros(G, np.float32), np.int32(4),
-    )  # fmt: skip
-    layer = ",".join(map(str, many.state.cache.k[0].shape))
+    progs = many.programs
+    inputs = RoundsInputs(np.ones(1, bool), np.zeros(1, np.uint32),
+                          sampling_rows([reqs[0]], "filtered"), progs.key,
+                          np.full(1, 50, np.int32), stop, np.int32(G), np.bool_(False),
+                          np.zeros(G, np.float32), np.int32(4))  # fmt: skip
+    lowered = progs.lower_rounds(progs.state, inputs, mode="filtered")
+    layer = ",".join(map(str, progs.state.cache.k[0].shape))
     text = lowered.compile().as_text()
     assert re.search(rf"= f32\[{layer}\]", text)
     assert not re.findall(rf"= f32\[{layer}\]\S* copy\(", text)
@@ -130,19 +132,19 @@ def test_one_verify_program_runs_in_place_with_the_same_tokens():
 
 def test_the_engine_picks_one_verify_form_for_all_its_round_programs():
     """One (T, S) program on one device: own K/V read back from the cache; several programs: not.
-    The q|k|v and gate|up products are never fused (slower under the engine's XLA:CPU option).
     The one-round and K-round programs of an engine run the same form."""
     tcfg, tp, dcfg, dp = agreeing_pair(vocab=64, gamma=G)
     one = dict(KW, num_slots=1, token_buckets=(G + 1,), cache_buckets=(96,))
 
     def form(**kw):
-        e = ServingEngine(tcfg, dcfg, tp, dp, rounds_per_call=4, **kw)
-        kws = [getattr(f, "keywords", {}) for f in (e.round_fn, e.rounds_fn)]
-        assert kws[0] == kws[1]
-        return e.verify_form, kws[0]
+        progs = ServingEngine(tcfg, dcfg, tp, dp, rounds_per_call=4, **kw).programs
+        t, s = progs.config.token_buckets[0], progs.config.cache_buckets[0]
+        a, b = progs.round_spec("greedy", t, s).one_set, progs.rounds_spec("greedy").one_set
+        assert a == b == progs.one_set
+        return progs.one_set
 
-    assert form(**one) == ((True, False), {"one_set": True, "fused": False})
-    assert form(**KW) == ((False, False), {})
+    assert form(**one) is True
+    assert form(**KW) is False
 
 
 def test_threshold_cuts_match_the_host_policy():
@@ -171,19 +173,16 @@ def test_rounds_update_the_cache_in_place():
     tcfg, tp, dcfg, dp = agreeing_pair(vocab=64, gamma=G)
     kw = dict(KW, token_buckets=(6, 15), modes=("greedy",))
     eng = ServingEngine(tcfg, dcfg, tp, dp, rounds_per_call=4, **kw)
-    n, scfg = eng.num_slots, eng._scfg("greedy")
+    n, progs = eng.num_slots, eng.programs
     active, seeds = np.ones(n, bool), np.zeros(n, np.uint32)
     full = np.full(n, G, np.int32)
-    one = eng._round.lower(
-        eng.tcfg, dcfg, scfg, 15, 96, *eng.program_params, eng.state, full, active, seeds, None, eng.key
-    )  # fmt: skip
+    inputs = RoundInputs(full, active, seeds, None, progs.key)
+    one = progs.lower_round(progs.state, inputs, mode="greedy", num_tokens=15, cache_len=96)
     stop = np.full((n, MAX_STOP_IDS), -1, np.int32)
-    many = eng._rounds.lower(
-        eng.tcfg, dcfg, scfg, eng.token_buckets, eng.cache_buckets, 4, *eng.program_params,
-        eng.state, active, seeds, None, eng.key, np.full(n, 50, np.int32), stop, np.int32(G),
-        np.bool_(False), np.zeros(G, np.float32), np.int32(4),
-    )  # fmt: skip
-    layer = ",".join(map(str, eng.state.cache.k[0].shape))  # [N, n_kv, max_len, d]
+    inputs = RoundsInputs(active, seeds, None, progs.key, np.full(n, 50, np.int32), stop,
+                          np.int32(G), np.bool_(False), np.zeros(G, np.float32), np.int32(4))  # fmt: skip
+    many = progs.lower_rounds(progs.state, inputs, mode="greedy")
+    layer = ",".join(map(str, progs.state.cache.k[0].shape))  # [N, n_kv, max_len, d]
     for name, lowered in (("one round", one), ("K rounds", many)):
         text = lowered.compile().as_text()
         copies = re.findall(rf"= f32\[{layer}\]\S* copy\(", text)

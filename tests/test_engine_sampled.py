@@ -113,8 +113,9 @@ class UnlikelyOnly:
     def __call__(self, conf, *, max_len=None, stale_conf=None):
         eng = self.engine
         slots = [r.slot for r in eng.slots.running()]
-        toks = np.asarray(eng.state.prop_tokens)[slots, 0]
-        fav = np.asarray(eng.state.prop_probs)[slots, 0].argmax(-1)
+        state = eng.programs.state
+        toks = np.asarray(state.prop_tokens)[slots, 0]
+        fav = np.asarray(state.prop_probs)[slots, 0].argmax(-1)
         return np.where(toks != fav, np.minimum(max_len, eng.gamma), 0).astype(np.int32)
 
 

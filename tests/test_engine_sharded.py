@@ -59,9 +59,9 @@ def test_sharded_engine_greedy_equals_one_device(pair, reference, shape):
     mesh = parallel.make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
     eng = ServingEngine(tcfg, dcfg, tp, dp, mesh=mesh, **KW)
     # placed by the table: vocab-sharded LM head, kv-head-sharded caches
-    head = eng.tparams["lm_head"]["kernel"].get_value()
+    head = eng.programs.tparams["lm_head"]["kernel"].get_value()
     assert head.sharding.spec == parallel.logical_to_spec(("embed", "vocab"), head.shape, mesh)
-    assert len(eng.state.cache.k[0].sharding.device_set) == 8
+    assert len(eng.programs.state.cache.k[0].sharding.device_set) == 8
     eng.warmup()
     before = eng.compilations
     with CompileCounter() as cc:
@@ -74,8 +74,8 @@ def test_sharded_engine_greedy_equals_one_device(pair, reference, shape):
         assert o.num_accepted == ref.num_accepted
         rounds += len(o.num_accepted)
     assert rounds < sum(MAX_NEW)  # drafts were really accepted
-    sh = eng.state.cache.k[0].sharding
-    assert sh.spec == parallel.cache_shardings(eng.state.cache, mesh).k[0].spec
+    sh = eng.programs.state.cache.k[0].sharding
+    assert sh.spec == parallel.cache_shardings(eng.programs.state.cache, mesh).k[0].spec
 
 
 @pytest.mark.slow

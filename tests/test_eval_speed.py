@@ -68,6 +68,7 @@ def test_the_drafting_timer_runs_a_rounds_drafter_work_after_each_forward():
     import numpy as np
 
     from dspark_jax.engine import RequestParams
+    from dspark_jax.engine.config import SAMPLING, sampling_rows
 
     tcfg = tiny_target_config()
     tp = init_params(tcfg, 0)
@@ -78,18 +79,19 @@ def test_the_drafting_timer_runs_a_rounds_drafter_work_after_each_forward():
     params = RequestParams(40, temperature=1.0, seed=0)
     eng.submit(list(range(5, 25)), params)
     eng.step()
-    scfg, sp = eng._scfg("sampled"), eng._sp_rows([params], "sampled")
-    drafts = jnp.zeros((dcfg.block_size,), jnp.int32) + eng.state.anchor[0]
+    progs = eng.programs
+    scfg, sp = SAMPLING["sampled"], sampling_rows([params], "sampled")
+    drafts = jnp.zeros((dcfg.block_size,), jnp.int32) + progs.state.anchor[0]
     seeds = np.zeros(1, np.uint32)
 
     def args(d):
-        return (eng.tcfg, eng.max_len, *eng.verify_form, dcfg if d else None,
-                scfg if d else None, eng.program_params[0].tree(),
-                eng.program_params[1].tree() if d else None, eng.state, drafts,
-                eng.key if d else None, seeds if d else None, sp if d else None)  # fmt: skip
+        return (progs.tcfg, progs.config.max_len, progs.one_set, dcfg if d else None,
+                scfg if d else None, progs.params[0].tree(),
+                progs.params[1].tree() if d else None, progs.state, drafts,
+                progs.key if d else None, seeds if d else None, sp if d else None)  # fmt: skip
 
     def loop_body_eqns(d):
-        jaxpr = jax.make_jaxpr(speed._forward, static_argnums=(0, 1, 2, 3, 4, 5))(*args(d))
+        jaxpr = jax.make_jaxpr(speed._forward, static_argnums=(0, 1, 2, 3, 4))(*args(d))
         loops = [e for e in jaxpr.eqns if e.primitive.name in ("while", "scan")]
         assert len(loops) == 1, "one device loop"
         return str(loops[0])

@@ -119,8 +119,8 @@ def test_batch1_prefill_is_compiled_with_the_engines_option_and_batches_are_not(
 def test_the_serving_engines_programs_are_compiled_with_its_option(monkeypatch):
     """Prefill, one-round and K-round programs of a ServingEngine carry the engine's option (a
     rejected one fails each of them), and with the real one greedy output is plain greedy's."""
-    from dspark_jax.engine import ServingEngine, serving
-    from dspark_jax.engine.flat import flat_jit
+    from dspark_jax.engine import ServingEngine
+    from dspark_jax.engine import programs as programs_lib
     from dspark_jax.models.generate import generate
     from tests.engine_models import agreeing_pair
 
@@ -133,17 +133,20 @@ def test_the_serving_engines_programs_are_compiled_with_its_option(monkeypatch):
     def run(eng, prompt, n):
         return eng.generate([prompt], max_new_tokens=n, temperature=0.0)[0].tokens
 
-    real = serving.engine_compiler_options()
-    monkeypatch.setattr(serving, "engine_compiler_options", lambda: BAD)
+    real = programs_lib.engine_compiler_options()
+    monkeypatch.setattr(programs_lib, "engine_compiler_options", lambda: BAD)
     with pytest.raises(Exception, match="valid enum|NOT_A_FUSION_TYPE"):
         run(engine(1), [3, 9, 1], 12)  # fails in prefill
     for k in (1, 4):  # with a prefill that compiles, in the one-round / K-round program
+        # the option is read per program, prefill first: the real one for it only
+        options = iter([real, BAD, BAD])
+        monkeypatch.setattr(
+            programs_lib, "engine_compiler_options", lambda options=options: next(options)
+        )
         eng = engine(k)
-        eng._prefill = flat_jit(serving.dev.prefill_chunk, static_argnums=(0, 1, 2, 3),
-                                donate_argnums=(6,), compiler_options=real)  # fmt: skip
         with pytest.raises(Exception, match="valid enum|NOT_A_FUSION_TYPE"):
             run(eng, [3, 9, 1], 12)
-    monkeypatch.setattr(serving, "engine_compiler_options", lambda: real)
+    monkeypatch.setattr(programs_lib, "engine_compiler_options", lambda: real)
     for k in (1, 4):
         assert (
             run(engine(k), [3, 9, 1], 12) == generate(tcfg, tp, [[3, 9, 1]], max_new_tokens=12)[0]

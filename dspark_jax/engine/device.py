@@ -15,6 +15,10 @@ active slot) are packed into a flat static bucket of T tokens (`models.packed`),
 cost follows `R + sum l_r`; attention reads are bounded by a cache-length bucket. Then it runs
 `spec.verify_core` per slot, commits (cache length, drafter context, anchor) and drafts the next
 block with noise keyed by (seed, round counter, position) (`spec.rng.DRAFT_ROUND`).
+
+Both programs take `(spec, tparams, dparams, state, inputs)`: a static, hashable spec (configs,
+sampling mode, buckets: `PrefillSpec`, `RoundSpec`) and the arrays as one NamedTuple pytree
+(`PrefillInputs`, `RoundInputs`). `engine.programs.EnginePrograms` jits and calls them.
 """
 
 from __future__ import annotations
@@ -87,34 +91,62 @@ def _conf_or_zeros(prop, b, g):
     return prop.conf_logits.astype(jnp.float32)
 
 
-def prefill_chunk(
-    tcfg,
-    dcfg,
-    scfg,
-    cache_len,
-    tparams,
-    dparams,
-    state: SlotState,
-    slot,
-    tokens_C,
-    next_C,
-    start,
-    n_valid,
-    is_last,
-    seed,
-    sp1,
-    key,
-):
-    """Write prompt tokens [start, start + n_valid) of one slot. Static: configs, scfg, C,
-    cache_len (a cache-length bucket >= start + n_valid: the chunk's attention reads, and the
-    slot's K/V it copies and writes back, stop there instead of at max_len).
+class PrefillSpec(NamedTuple):
+    """`prefill_chunk`'s static part: configs, sampling mode, cache-length bucket."""
 
-    Arrays: slot, start, n_valid (>= 1), is_last (bool), seed (uint32), tokens_C (right-padded),
-    next_C (the committed token following each position, known for all but the prompt's last),
-    sp1 (batch-1 SamplingParams, None in greedy mode), key (engine root key).
+    tcfg: object
+    dcfg: object
+    scfg: object
+    cache_len: int
+
+
+class PrefillInputs(NamedTuple):
+    """`prefill_chunk`'s arrays: the slot, the chunk (right-padded), its offset and length."""
+
+    slot: jax.Array  # int32
+    tokens: jax.Array  # [C] int32, right-padded
+    next_tokens: jax.Array  # [C] the committed token after each (all but the prompt's last)
+    start: jax.Array  # int32, the chunk's first position
+    n_valid: jax.Array  # int32 >= 1
+    is_last: jax.Array  # bool, the prompt's last chunk
+    seed: jax.Array  # uint32, the request's seed
+    sampling: object  # batch-1 SamplingParams; None in greedy mode
+    key: jax.Array  # the engine's root key
+
+
+class RoundSpec(NamedTuple):
+    """`packed_round`'s static part: configs, sampling mode, token bucket T (>= sum over active
+    of lengths + 1), cache bucket S (>= every active anchor position + lengths + 1) and the
+    verify forward's form (`verify_forward`'s `one_set`)."""
+
+    tcfg: object
+    dcfg: object
+    scfg: object
+    num_tokens: int
+    cache_len: int
+    one_set: bool = False
+
+
+class RoundInputs(NamedTuple):
+    """`packed_round`'s arrays, one row per slot."""
+
+    lengths: jax.Array  # [N] int32 verified drafts (0..γ)
+    active: jax.Array  # [N] bool
+    seeds: jax.Array  # [N] uint32
+    sampling: object  # SamplingParams [N]; None in greedy mode
+    key: jax.Array  # the engine's root key
+
+
+def prefill_chunk(spec: PrefillSpec, tparams, dparams, state: SlotState, inp: PrefillInputs):
+    """Write prompt tokens [start, start + n_valid) of one slot. The chunk's attention reads, and
+    the slot's K/V it copies and writes back, stop at `spec.cache_len` (a cache-length bucket
+    >= start + n_valid) instead of at max_len.
+
     Returns (state, first token, raw confidence logits [γ] of the slot's first block); the
     latter two are meaningful only on the last chunk.
     """
+    tcfg, dcfg, scfg, cache_len = spec
+    slot, tokens_C, next_C, start, n_valid, is_last, seed, sp1, key = inp
     g = dcfg.block_size
     c = tokens_C.shape[0]
     s_b = min(int(cache_len), state.cache.max_len)
@@ -168,45 +200,27 @@ def pack_indices(lengths_N, active_N, num_tokens: int):
     return slot.astype(jnp.int32), jnp.where(valid, offset, 0), valid, starts
 
 
-def packed_round(
-    tcfg,
-    dcfg,
-    scfg,
-    num_tokens: int,
-    cache_len: int,
-    tparams,
-    dparams,
-    state: SlotState,
-    lengths_N,
-    active_N,
-    seeds_N,
-    sp,
-    key,
-    *,
-    one_set: bool = False,
-    fused: bool = False,
-):
-    """One speculative round over the active slots. Static: configs, scfg, num_tokens (T bucket
-    >= sum over active of lengths + 1), cache_len (bucket >= every active anchor position +
-    lengths + 1), one_set / fused (`verify_forward`'s). Arrays: params, state (donated), lengths
-    [N] (0..γ), active [N], seeds [N], sp (SamplingParams [N]; None in greedy mode), key."""
-    lengths_N = jnp.where(active_N, lengths_N, 0).astype(jnp.int32)
-    fwd = verify_forward(tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N,
-                         one_set=one_set, fused=fused)  # fmt: skip
-    return finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, sp, key)
+def packed_round(spec: RoundSpec, tparams, dparams, state: SlotState, inp: RoundInputs):
+    """One speculative round over the active slots (`state` donated). Returns (state,
+    RoundOut)."""
+    lengths_N = jnp.where(inp.active, inp.lengths, 0).astype(jnp.int32)
+    fwd = verify_forward(spec.tcfg, spec.dcfg, spec.num_tokens, spec.cache_len, tparams, state,
+                         lengths_N, inp.active, one_set=spec.one_set)  # fmt: skip
+    return finish_round(spec.dcfg, spec.scfg, dparams, state, fwd, lengths_N, inp.active,
+                        inp.seeds, inp.sampling, inp.key)  # fmt: skip
 
 
 def verify_forward(
     tcfg, dcfg, num_tokens, cache_len, tparams, state, lengths_N, active_N, *, write=True,
-    one_set=False, fused=False,
+    one_set=False,
 ):  # fmt: skip
     """The target's packed verify forward (bucket T = num_tokens, attention over cache_len):
     (logits [N, γ+1, V], features [N, γ+1, F], the cache with the tokens' K/V written); with
     `write=False` the cache is only read and the last item is the tokens' K/V
-    (`models.packed.NewKV`, for `write_kv`). `one_set` and `fused` (with `write`): the cheaper
-    forms of `models.packed` (the tokens' own K/V read back from the cache in one key set; q|k|v
-    and gate|up as one product each), equal to the default up to float reassociation, so one
-    engine runs one form in all its round programs (`ServingEngine` decides)."""
+    (`models.packed.NewKV`, for `write_kv`). `one_set` (with `write`): `models.packed`'s cheaper
+    form (the tokens' own K/V read back from the cache in one key set), equal to the default up
+    to float reassociation, so one engine runs one form in all its round programs
+    (`EnginePrograms` decides)."""
     g = dcfg.block_size
     pos0 = state.cache.lengths  # [N]
     slot, off, valid, starts = pack_indices(lengths_N, active_N, num_tokens)
@@ -215,7 +229,7 @@ def verify_forward(
     pos = pos0[slot] + off
     common = (tcfg, tparams, toks, slot, off, pos, valid, state.cache, cache_len)
     if write:
-        out, c = packed_forward(*common, slot_tokens=g + 1, one_set=one_set, fused=fused)
+        out, c = packed_forward(*common, slot_tokens=g + 1, one_set=one_set)
     else:
         out, c = packed_forward_kv(*common, slot_tokens=g + 1)
     idx = jnp.clip(starts[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :], 0, num_tokens - 1)

@@ -1,20 +1,22 @@
-"""How a `ServingEngine` is driven: offline (`generate`: submit everything, step until done),
-in a background thread (`start` / `shutdown`, what the HTTP server uses), or by a caller's own
-`step()` calls. The round itself (admit, schedule, run, commit) is `engine.serving`'s; this mixin
-only decides when to call it, and reads the engine's slot table under its lock.
+"""How a `ServingEngine` is driven outside its caller's own `step()` calls: `BackgroundLoop`
+runs the step in a thread while there is work (what the HTTP server uses, `start` / `shutdown`),
+and `params_from_knobs` turns `generate()`'s keyword knobs into one RequestParams per prompt.
+
+    loop = BackgroundLoop(step, has_work, on_error, work)   # work: the engine's Condition
+    loop.start(); ...; loop.stop(timeout)
 """
 
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Callable
 
 import numpy as np
 
-from dspark_jax.engine.requests import QueueFull, RequestError, RequestOutput, RequestParams
+from dspark_jax.engine.requests import RequestError, RequestParams
 
 
-def _params_from_knobs(
+def params_from_knobs(
     n, *, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, stop_ids=()
 ) -> list[RequestParams]:
     def rows(name, v, kind):
@@ -38,94 +40,48 @@ def _params_from_knobs(
     return [RequestParams(n_new, t, k, p, m, sd, stop) for n_new, t, k, p, m, sd in cols]
 
 
-class EngineDriving:
-    """Mixin of `ServingEngine` (uses its `_lock`, `_work`, `_thread`, `slots`, `submit`, `step`,
-    `_finish`)."""
+class BackgroundLoop:
+    """A daemon thread that calls `step()` while `has_work()`, waiting on `work` (a Condition
+    on the engine's lock, notified on every submission) otherwise. An exception in a step is
+    handed to `on_error` and the loop keeps serving."""
 
-    def has_work(self) -> bool:
-        with self._lock:
-            return bool(self.slots.queue) or bool(self.slots.running())
+    def __init__(self, step: Callable, has_work: Callable, on_error: Callable, work):
+        self._step, self._has_work, self._on_error = step, has_work, on_error
+        self._work = work
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None  # the last step's exception
 
-    def generate(self, prompts, params=None, **knobs) -> list[RequestOutput]:
-        """Offline convenience: submit all (one RequestParams or one per prompt), run, collect.
-
-        Also accepts keyword knobs instead of `params` (max_new_tokens, temperature, top_k,
-        top_p, min_p, seeds, stop_ids; scalar or one per prompt), as the evaluator passes them."""
-        if params is None:
-            params = _params_from_knobs(len(prompts), **knobs)
-        elif knobs:
-            raise TypeError("pass either params or keyword knobs, not both")
-        if isinstance(params, RequestParams):
-            params = [params] * len(prompts)
-        handles = []
-        for p, q in zip(prompts, params, strict=True):
-            while True:
-                try:
-                    handles.append(self.submit(p, q))
-                    break
-                except QueueFull:
-                    if not self._running_in_background():
-                        self.step()
-                    else:
-                        time.sleep(0.01)
-        return [h.result() for h in handles]
-
-    def _running_in_background(self) -> bool:
+    def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _drive_until(self, done, deadline) -> None:
-        while not done():
-            if deadline is not None and time.monotonic() > deadline:
-                return
-            if not self.has_work():
-                return
-            self.step()
-
     def start(self) -> None:
-        with self._lock:
-            if self._running_in_background():
+        with self._work:
+            if self.alive():
                 return
             self._stopping = False
-            self._thread = threading.Thread(target=self._loop, name="serving-engine", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="serving-engine", daemon=True)
             self._thread.start()
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
         while True:
-            with self._lock:
-                while not self._stopping and not self.has_work():
+            with self._work:
+                while not self._stopping and not self._has_work():
                     self._work.wait()
-                if self._stopping and not self.has_work():
+                if self._stopping and not self._has_work():
                     return
             try:
-                self.step()
+                self._step()
             except BaseException as e:  # noqa: BLE001 - fail requests, keep serving
-                self._error = e
-                self._fail_all(repr(e))
+                self.error = e
+                self._on_error(repr(e))
 
-    def _fail_all(self, why: str) -> None:
-        with self._lock:
-            for r in list(self.slots.queue) + self.slots.running():
-                if r.slot is None:
-                    self.slots.queue.remove(r)
-                self._finish(r, [], "error")
-
-    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop accepting requests; finish (drain) or cancel the others; stop the thread."""
-        with self._lock:
-            self._closed = True
-            if not drain:
-                for r in list(self.slots.queue):
-                    self.slots.queue.remove(r)
-                    self._finish(r, [], "cancelled")
-                for r in self.slots.running():
-                    r.cancel_requested = True
+    def stop(self, timeout: float | None = None) -> bool:
+        """Let the thread finish the remaining work and end; False when none was started."""
+        with self._work:
             self._stopping = True
             self._work.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        elif not drain:
-            self.step()
-        else:
-            self._drive_until(
-                lambda: False, None if timeout is None else time.monotonic() + timeout
-            )
+        if self._thread is None:
+            return False
+        self._thread.join(timeout)
+        return True

@@ -179,11 +179,11 @@ class RequestHandle:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"request {self.id}: not finished within {timeout} s")
-                if not self._engine._running_in_background():
+                if not self._engine.runs_in_background():
                     break
                 self._cond.wait(left if left is None else min(left, 0.5))
         if self._output is None:  # synchronous use: drive the engine ourselves
-            self._engine._drive_until(lambda: self._output is not None, deadline)
+            self._engine.drive_until(lambda: self._output is not None, deadline)
         if self._output is None:
             raise TimeoutError(f"request {self.id}: not finished within {timeout} s")
         return self._output

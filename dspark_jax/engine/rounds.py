@@ -1,6 +1,7 @@
 """Device-resident rounds: up to K speculative rounds in one jitted call (`lax.while_loop`).
 
-    state, out = packed_rounds(tcfg, dcfg, scfg, token_buckets, cache_buckets, K, ...)
+    state, out = packed_rounds(RoundsSpec(tcfg, dcfg, scfg, token_buckets, cache_buckets, K),
+                               tparams, dparams, state, RoundsInputs(active, seeds, ...))
 
 Every round is exactly the engine's packed round (`device.verify_forward` + `device.finish_round`):
 the verification lengths are computed on the device by the same rule the host scheduler applies
@@ -10,7 +11,7 @@ float64 `STS.probs(rho) >= θ` for every float32 `rho`), and each round's token 
 cache bucket S are chosen on the device as the host would choose them, by `lax.switch` over the
 compiled (T, S) verify forwards (with only one, it is called directly and writes the cache in
 place, in the form the engine chose for its one-round program too: `device.verify_forward`'s
-`one_set` / `fused`). So a request's tokens do not depend on K: the K-round call runs the same
+`one_set`). So a request's tokens do not depend on K: the K-round call runs the same
 arithmetic, with the same keys (seed, position, round counter), as K one-round calls.
 
 Stop ids and max_new_tokens are honoured on the device: a round in which any row finishes (a stop
@@ -67,90 +68,103 @@ def device_lengths(state, active_N, room_N, gamma_p, use_threshold, cuts_G):
     return jnp.where(active_N, out, 0).astype(jnp.int32)
 
 
-def packed_rounds(
-    tcfg,
-    dcfg,
-    scfg,
-    token_buckets: tuple[int, ...],
-    cache_buckets: tuple[int, ...],
-    max_rounds: int,
-    tparams,
-    dparams,
-    state: dev.SlotState,
-    active_N,
-    seeds_N,
-    sp,
-    key,
-    room_N,
-    stop_NxM,
-    gamma_p,
-    use_threshold,
-    cuts_G,
-    n_rounds,
-    *,
-    one_set: bool = False,
-    fused: bool = False,
-):
-    """Up to min(n_rounds, max_rounds) rounds over the active slots (the same set in every round;
-    the loop ends after a round in which any row finishes). Static: configs, scfg, the bucket
-    tuples, max_rounds (K, the output size). Arrays: params, state (donated), active [N],
-    seeds [N], sp, key, room [N] (tokens each request may still emit, >= 1 when active),
-    one_set / fused (static, used with one (T, S) pair only): `device.verify_forward`'s,
-    stop [N, M] (-1 padded), gamma_p (fixed γ), use_threshold (bool), cuts [γ] (float32),
-    n_rounds (int32, dynamic: 1..K)."""
-    g = dcfg.block_size
-    n = active_N.shape[0]
-    tb = jnp.asarray(token_buckets, jnp.int32)
-    cb = jnp.asarray(cache_buckets, jnp.int32)
+class RoundsSpec(NamedTuple):
+    """`packed_rounds`' static part: configs, sampling mode, the compiled bucket tuples, K (the
+    output size) and the verify forward's form (`device.verify_forward`'s `one_set`, used with
+    one (T, S) pair only)."""
+
+    tcfg: object
+    dcfg: object
+    scfg: object
+    token_buckets: tuple[int, ...]
+    cache_buckets: tuple[int, ...]
+    max_rounds: int
+    one_set: bool = False
+
+
+class RoundsInputs(NamedTuple):
+    """`packed_rounds`' arrays, one row per slot where they have one."""
+
+    active: jax.Array  # [N] bool (the same set in every round)
+    seeds: jax.Array  # [N] uint32
+    sampling: object  # SamplingParams [N]; None in greedy mode
+    key: jax.Array  # the engine's root key
+    room: jax.Array  # [N] int32 tokens each request may still emit (>= 1 when active)
+    stop: jax.Array  # [N, MAX_STOP_IDS] int32 stop ids, -1 padded
+    gamma_p: jax.Array  # int32 fixed γ
+    use_threshold: jax.Array  # bool: lengths from `cuts` instead of gamma_p
+    cuts: jax.Array  # [γ] float32 (`threshold_cuts`)
+    n_rounds: jax.Array  # int32, 1..K rounds to run at most
+
+
+def _verify(spec: RoundsSpec, tparams, state, lengths, active):
+    """The round's verify forward: the only (T, S) program, writing the cache in place, or the
+    (T, S) pair the host would choose, by `lax.switch` over read-only branches whose K/V is
+    written after the switch (`_forward_branch`)."""
+    tcfg, dcfg, _, token_buckets, cache_buckets, _, one_set = spec
+    if len(token_buckets) * len(cache_buckets) == 1:
+        return dev.verify_forward(tcfg, dcfg, token_buckets[0], cache_buckets[0], tparams, state,
+                                  lengths, active, one_set=one_set)  # fmt: skip
     branches = [
         functools.partial(_forward_branch, tcfg, dcfg, t, s, max(token_buckets))
         for t in token_buckets
         for s in cache_buckets
     ]
-    i = jnp.arange(g + 1)[None, :]
+    tb = jnp.asarray(token_buckets, jnp.int32)
+    cb = jnp.asarray(cache_buckets, jnp.int32)
+    total = jnp.sum(jnp.where(active, lengths + 1, 0))
+    need = jnp.max(jnp.where(active, state.cache.lengths + 1 + lengths, 0))
+    it = jnp.minimum(jnp.searchsorted(tb, total, side="left"), len(token_buckets) - 1)
+    ic = jnp.minimum(jnp.searchsorted(cb, need, side="left"), len(cache_buckets) - 1)
+    index = it * len(cache_buckets) + ic
+    logits, feats, kv = jax.lax.switch(index, branches, tparams, state, lengths, active)
+    return logits, feats, write_kv(state.cache, kv)
+
+
+def _finished(ro: dev.RoundOut, inp: RoundsInputs, room):
+    """[N] rows that finish in this round: a committed stop id, or the token budget reached."""
+    a = ro.num_accepted
+    i = jnp.arange(ro.emitted.shape[1])[None, :]
+    stop = inp.stop[:, None, :]
+    hit = (ro.emitted[:, :, None] == stop) & (stop >= 0)
+    hit = jnp.any(hit & (i <= a[:, None])[:, :, None], axis=(1, 2))
+    return inp.active & (hit | (a + 1 >= room))
+
+
+def packed_rounds(spec: RoundsSpec, tparams, dparams, state: dev.SlotState, inp: RoundsInputs):
+    """Up to min(n_rounds, max_rounds) rounds over the active slots (`state` donated); the loop
+    ends after a round in which any row finishes. Returns (state, RoundsOut)."""
+    g = spec.dcfg.block_size
+    n = inp.active.shape[0]
+    k_max = spec.max_rounds
 
     def body(carry):
         k, state, room, outs, _ = carry
-        lengths = device_lengths(state, active_N, room, gamma_p, use_threshold, cuts_G)
-        if len(branches) == 1:  # one (T, S) program: it writes the cache before reading, in place
-            fwd = dev.verify_forward(tcfg, dcfg, token_buckets[0], cache_buckets[0], tparams,
-                                     state, lengths, active_N, one_set=one_set,
-                                     fused=fused)  # fmt: skip
-        else:  # read-only branches, the K/V written after the switch (`_forward_branch`)
-            total = jnp.sum(jnp.where(active_N, lengths + 1, 0))
-            need = jnp.max(jnp.where(active_N, state.cache.lengths + 1 + lengths, 0))
-            it = jnp.minimum(jnp.searchsorted(tb, total, side="left"), len(token_buckets) - 1)
-            ic = jnp.minimum(jnp.searchsorted(cb, need, side="left"), len(cache_buckets) - 1)
-            index = it * len(cache_buckets) + ic
-            logits, feats, kv = jax.lax.switch(index, branches, tparams, state, lengths, active_N)
-            fwd = (logits, feats, write_kv(state.cache, kv))
-        state, ro = dev.finish_round(
-            dcfg, scfg, dparams, state, fwd, lengths, active_N, seeds_N, sp, key
-        )
-        a = ro.num_accepted
-        hit = (ro.emitted[:, :, None] == stop_NxM[:, None, :]) & (stop_NxM[:, None, :] >= 0)
-        hit = jnp.any(hit & (i <= a[:, None])[:, :, None], axis=(1, 2))
-        done = active_N & (hit | (a + 1 >= room))
-        room = room - (a + 1)
+        lengths = device_lengths(state, inp.active, room, inp.gamma_p, inp.use_threshold, inp.cuts)
+        fwd = _verify(spec, tparams, state, lengths, inp.active)
+        state, ro = dev.finish_round(spec.dcfg, spec.scfg, dparams, state, fwd, lengths,
+                                     inp.active, inp.seeds, inp.sampling, inp.key)  # fmt: skip
+        done = _finished(ro, inp, room)
+        room = room - (ro.num_accepted + 1)
         outs = RoundsOut(
             outs.emitted.at[k].set(ro.emitted),
-            outs.num_accepted.at[k].set(a),
+            outs.num_accepted.at[k].set(ro.num_accepted),
             outs.lengths.at[k].set(lengths),
             outs.next_conf.at[k].set(ro.next_conf),
             k + 1,
         )
-        go = (k + 1 < jnp.minimum(n_rounds, max_rounds)) & ~jnp.any(done)
+        go = (k + 1 < jnp.minimum(inp.n_rounds, k_max)) & ~jnp.any(done)
         return k + 1, state, room, outs, go
 
     outs = RoundsOut(
-        jnp.full((max_rounds, n, g + 1), -1, jnp.int32),
-        jnp.zeros((max_rounds, n), jnp.int32),
-        jnp.zeros((max_rounds, n), jnp.int32),
-        jnp.zeros((max_rounds, n, g), jnp.float32),
+        jnp.full((k_max, n, g + 1), -1, jnp.int32),
+        jnp.zeros((k_max, n), jnp.int32),
+        jnp.zeros((k_max, n), jnp.int32),
+        jnp.zeros((k_max, n, g), jnp.float32),
         jnp.int32(0),
     )
-    room = jnp.asarray(room_N, jnp.int32)
-    carry = (jnp.int32(0), state, room, outs, jnp.any(active_N) & (n_rounds > 0))
+    room = jnp.asarray(inp.room, jnp.int32)
+    carry = (jnp.int32(0), state, room, outs, jnp.any(inp.active) & (inp.n_rounds > 0))
     _, state, _, outs, _ = jax.lax.while_loop(lambda c: c[4], body, carry)
     return state, outs
 

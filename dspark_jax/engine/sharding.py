@@ -10,9 +10,10 @@ drafter's K/V heads over "tensor", the pending draft distributions' vocabulary o
 dimension that its mesh axes do not divide is replicated (`parallel.logical_to_spec`), so any slot
 count and any head count run on any mesh.
 
-The engine's two device functions keep the state's layout from call to call: their outputs are
-pinned (`out_shardings`) to the very shardings the state was placed with, so a round never changes the
-arguments' shardings and never recompiles after warm-up. GSPMD inserts the collectives; greedy
+`engine.programs.EnginePrograms` places the params with `place_params`, creates the slot state
+directly with `state_shardings` (of its `jax.eval_shape`) and pins its programs' outputs to the
+very shardings the state was created with, so a round never changes the arguments' shardings and
+never recompiles after warm-up. GSPMD inserts the collectives; greedy
 output equals one device's token for token (tests/test_engine_sharded.py).
 """
 
@@ -82,19 +83,3 @@ def place_params(params, mesh: Mesh):
     if isinstance(params, tuple) and hasattr(params, "_fields"):
         return type(params)(*(place_params(p, mesh) for p in params))
     return parallel.shard_params(params, mesh)
-
-
-def shard_engine(engine, mesh: Mesh) -> None:
-    """Place a freshly built `ServingEngine`'s params and slot state on `mesh` and rebuild its
-    jitted device functions so that the state keeps its layout (called from its __init__)."""
-    engine.mesh = mesh
-    engine.tparams = place_params(engine.tparams, mesh)
-    engine.dparams = place_params(engine.dparams, mesh)
-    sh = state_shardings(engine.state, mesh)
-    engine.state = jax.device_put(engine.state, sh)
-    engine.key = jax.device_put(engine.key, parallel.replicated(mesh))
-    repl = parallel.replicated(mesh)
-    # outputs pinned to the very sharding objects the state was placed with: the next call sees
-    # identical argument shardings (a `with_sharding_constraint` may spell them differently,
-    # e.g. P() vs P(None), which is a new jit cache entry)
-    engine._jit_programs(sh, repl)

@@ -72,11 +72,11 @@ class SlotTable:
         self.by_id.pop(req.id, None)
 
 
-def validate_request(engine, prompt_ids, params) -> list[int]:
-    """Check a request at the boundary; returns the prompt as a list of ints."""
+def validate_request(prompt_ids, params, config, vocab: int) -> list[int]:
+    """Check a request at the boundary against the engine's `EngineConfig` and the target's
+    vocabulary size; returns the prompt as a list of ints."""
     if not isinstance(params, RequestParams):
         raise RequestError(f"params must be a RequestParams, got {type(params).__name__}")
-    vocab = engine.tcfg.vocab_size
     try:
         arr = np.asarray(list(prompt_ids))
     except TypeError as e:
@@ -94,11 +94,11 @@ def validate_request(engine, prompt_ids, params) -> list[int]:
     mx = params.max_new_tokens
     if not isinstance(mx, (int, np.integer)) or isinstance(mx, bool) or mx <= 0:
         raise RequestError(f"max_new_tokens must be an integer >= 1, got {mx!r}")
-    need = arr.size + int(mx) + engine.gamma + 1
-    if need > engine.max_len:
+    need = arr.size + int(mx) + config.gamma + 1
+    if need > config.max_len:
         raise RequestError(
             f"request needs {need} cache positions (prompt {arr.size} + max_new_tokens {mx} + "
-            f"γ+1 {engine.gamma + 1}) but a slot holds max_len={engine.max_len}; shorten the "
+            f"γ+1 {config.gamma + 1}) but a slot holds max_len={config.max_len}; shorten the "
             "prompt or max_new_tokens"
         )
     t, k, p, m = params.temperature, params.top_k, params.top_p, params.min_p
@@ -120,10 +120,10 @@ def validate_request(engine, prompt_ids, params) -> list[int]:
         if not isinstance(s, (int, np.integer)) or not 0 <= s < vocab:
             raise RequestError(f"stop_ids must be token ids in [0, {vocab}), got {s!r}")
     try:
-        engine._mode([params])
+        config.mode_for([params])
     except RuntimeError:
         raise RequestError(
-            f"this engine was built with sampling modes {engine.modes}, which cannot serve "
+            f"this engine was built with sampling modes {config.modes}, which cannot serve "
             "these sampling knobs; use temperature=0 (greedy) or build it with more modes"
         ) from None
     return [int(x) for x in arr]

@@ -50,6 +50,8 @@ import numpy as np
 from dspark_jax import drafters as drafters_lib
 from dspark_jax.buckets import pow2_bucket
 from dspark_jax.engine import RequestParams, ServingEngine
+from dspark_jax.engine.config import SAMPLING, sampling_rows
+from dspark_jax.engine.device import RoundInputs
 from dspark_jax.engine.flat import flat_jit
 from dspark_jax.errors import ConfigError
 from dspark_jax.models.generate import generate
@@ -83,10 +85,10 @@ def _propose_jit():  # compiled as the engine's programs are (xla_cpu.engine_com
     return flat_jit(_propose, static_argnums=(0, 1), compiler_options=engine_compiler_options())
 
 
-def _forward(tcfg, cache_len, one_set, fused, dcfg, scfg, tparams, dparams, state, drafts, key,
-             seeds, sp):  # fmt: skip
+def _forward(tcfg, cache_len, one_set, dcfg, scfg, tparams, dparams, state, drafts, key, seeds,
+             sp):  # fmt: skip
     """`FORWARD_LOOP` of the round's packed verify forwards over one slot's anchor + drafts ([T]
-    tokens), in the engine's form (`ServingEngine.verify_form`), in one device loop that carries
+    tokens), in the engine's form (`EnginePrograms.one_set`), in one device loop that carries
     the cache as a round does (written in place; a call per forward would copy the whole
     undonated cache, more than a 1-token forward costs).
 
@@ -106,7 +108,7 @@ def _forward(tcfg, cache_len, one_set, fused, dcfg, scfg, tparams, dparams, stat
     def body(i, carry):
         cache, ctx, toks, acc = carry
         out, cache = packed_forward(tcfg, tparams, toks, zeros, off, pos, off >= 0, cache,
-                                    cache_len, one_set=one_set, fused=fused)  # fmt: skip
+                                    cache_len, one_set=one_set)  # fmt: skip
         acc = acc + out.logits[0, -1, 0] + out.features[0, -1, 0]
         if dcfg is not None:
             ctx = drafters_lib.extend_context(dcfg, dparams, ctx, out.features, toks[None], full)
@@ -123,7 +125,7 @@ def _forward(tcfg, cache_len, one_set, fused, dcfg, scfg, tparams, dparams, stat
 
 @functools.cache
 def _forward_jit():  # compiled as the engine's programs are
-    return flat_jit(_forward, static_argnums=(0, 1, 2, 3, 4, 5),
+    return flat_jit(_forward, static_argnums=(0, 1, 2, 3, 4),
                     compiler_options=engine_compiler_options())  # fmt: skip
 
 
@@ -137,7 +139,7 @@ class _Slot:
         self.params = RequestParams(rounds * (eng.gamma + 1) + 2, temperature=temperature, seed=0)
         self.handle = None
         self.readmit()
-        self.snapshot = jax.tree.map(jnp.copy, eng.state)
+        self.snapshot = eng.programs.snapshot()
         self.chain, self.n = self.fresh(), 0
 
     def readmit(self):
@@ -149,7 +151,7 @@ class _Slot:
         self.left = self.rounds - 1
 
     def fresh(self):
-        return jax.tree.map(jnp.copy, self.snapshot)
+        return self.eng.programs.snapshot(self.snapshot)
 
     def step_ms(self) -> float:
         if self.left <= 1:
@@ -174,15 +176,12 @@ class _Resident(_Slot):
 
     def __init__(self, eng: ServingEngine, prompt, temperature: float, rounds: int):
         self.calls: list[tuple[float, int]] = []
-        inner = eng._rounds
 
-        def timed(*args):
-            t0 = time.perf_counter()
-            state, out = jax.block_until_ready(inner(*args))
-            self.calls.append(((time.perf_counter() - t0) * 1e3, int(out.count)))
-            return state, out
+        def timer(program, ms, out):  # the engine's K-round calls, blocked (`set_timer`)
+            if program == "rounds":
+                self.calls.append((ms, int(out.count)))
 
-        eng._rounds = timed
+        eng.programs.set_timer(timer)
         super().__init__(eng, prompt, temperature, rounds)
         self.samples: list[tuple[float, float, int]] = []  # (step ms, call ms, rounds)
 
@@ -198,6 +197,114 @@ class _Resident(_Slot):
         call, count = self.calls[-1]
         self.samples.append((dt, call, count))
         return dt
+
+
+def _slot_engine(tcfg, tparams, dcfg, dparams, plen: int, ts, reps: int, mode: str, mesh=None):
+    """A 1-slot engine (fixed γ) with room for `reps` + 4 rounds past the prompt and the forward
+    sweep; returns (engine, rounds per admission, margin)."""
+    g = dcfg.block_size
+    # the slot's room: re-admitted (untimed) every `rounds` rounds, within the context
+    margin = plen + 2 * (g + 1) + max(ts) + 8
+    max_len = min(margin + (reps + 4) * (g + 1), tcfg.max_position_embeddings)
+    rounds = (max_len - margin) // (g + 1)
+    if rounds < 2:
+        raise ConfigError(
+            f"the speed breakdown's prompt ({plen} tokens) leaves no room for rounds in the "
+            f"target's context ({tcfg.max_position_embeddings}); use a shorter prompt"
+        )
+    eng = ServingEngine(
+        tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed", max_len=max_len,
+        prompt_buckets=(plen,), token_buckets=(g + 1,), modes=(mode,), mesh=mesh,
+    )  # fmt: skip
+    eng.warmup()
+    return eng, rounds, margin
+
+
+def _forward_timer(slot: _Slot, drafts, dcfg_or_none, scfg, sp, seeds):
+    """ms per forward of `_forward`'s loop over the slot's snapshot (with the drafter's work
+    when `dcfg_or_none` is a config)."""
+    progs, d = slot.eng.programs, dcfg_or_none is not None
+    tp, dp = progs.params
+    args = (progs.tcfg, progs.config.max_len, progs.one_set, dcfg_or_none, scfg if d else None,
+            tp, dp if d else None, slot.snapshot, drafts, progs.key if d else None,
+            seeds if d else None, sp if d else None)  # fmt: skip
+    return lambda: _ms(lambda: jax.block_until_ready(_forward_jit()(*args))) / FORWARD_LOOP
+
+
+def _drafter_timers(kind: str, slot: _Slot, mode: str) -> dict:
+    """verify / verify_draft / dispatch / propose / round / step timers of one drafter's slot."""
+    progs = slot.eng.programs
+    g = progs.config.gamma
+    scfg, sp = SAMPLING[mode], sampling_rows([slot.params], mode)
+    seeds = np.zeros(1, np.uint32)
+    inputs = RoundInputs(np.full(1, g, np.int32), np.ones(1, bool), seeds, sp, progs.key)
+
+    def run_round(st):
+        st, out = progs.round(st, inputs, mode=mode, num_tokens=g + 1,
+                              cache_len=progs.config.max_len)  # fmt: skip
+        jax.block_until_ready(out)
+        return st
+
+    def propose():
+        return _ms(lambda: jax.block_until_ready(_propose_jit()(
+            progs.dcfg, scfg, progs.params[1], slot.snapshot, progs.key, seeds, sp)))  # fmt: skip
+
+    drafts = jnp.zeros((g,), jnp.int32) + slot.snapshot.anchor[0]
+    return {
+        f"verify_{kind}": _forward_timer(slot, drafts, None, scfg, sp, seeds),  # no drafter
+        f"verify_draft_{kind}": _forward_timer(slot, drafts, progs.dcfg, scfg, sp, seeds),
+        f"dispatch_{kind}": lambda: _ms(
+            lambda: jax.block_until_ready(_noop(*progs.params, slot.snapshot))
+        ),
+        f"propose_{kind}": propose,
+        f"round_{kind}": lambda: slot.round_ms(run_round),
+        f"step_{kind}": slot.step_ms,
+    }
+
+
+def _resident_slot(tcfg, tparams, dcfg, dparams, prompt, temperature, mode, margin, k, mesh):
+    """The slot on an engine of K device-resident rounds per call, or None without room."""
+    g = dcfg.block_size
+    # room for the admission's K rounds and one timed call of K more: the cache stays near the
+    # other engines' length whatever K is
+    r_len = min(margin + 2 * k * (g + 1), tcfg.max_position_embeddings)
+    if k <= 1 or (r_len - margin) // (g + 1) < 2 * k:  # no room for admission + K rounds
+        return None
+    reng = ServingEngine(
+        tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed", max_len=r_len,
+        prompt_buckets=(len(prompt),), token_buckets=(g + 1,), cache_buckets=(r_len,),
+        modes=(mode,), rounds_per_call=k, mesh=mesh,
+    )  # fmt: skip
+    reng.warmup()
+    return _Resident(reng, prompt, temperature, (r_len - margin) // (g + 1))
+
+
+def _sweep_timers(slot: _Slot, ts, t_same: int) -> dict:
+    """The verify forward at every T in `ts` but `t_same` (the slot's verify timer's) on the
+    first engine's slot state."""
+    out = {}
+    for t in ts:
+        if t != t_same:
+            drafts = jnp.zeros((t - 1,), jnp.int32) + slot.snapshot.anchor[0]
+            out[f"fwd_{t}"] = _forward_timer(slot, drafts, None, None, None, None)
+    return out
+
+
+def _medians(timers: dict, reps: int, seed: int) -> tuple[dict, int]:
+    """Every timer run twice (compile, warm), then `reps` shuffled rounds: (medians, the
+    compilations during the timed part)."""
+    for fn in timers.values():
+        fn()
+        fn()
+    samples: dict[str, list[float]] = {k: [] for k in timers}
+    order = list(timers)
+    rng = random.Random(seed)
+    with CompileCounter() as cc:
+        for _ in range(reps):
+            rng.shuffle(order)
+            for k in order:
+                samples[k].append(timers[k]())
+    return {k: statistics.median(v) for k, v in samples.items()}, cc.count
 
 
 def round_breakdown(
@@ -220,11 +327,8 @@ def round_breakdown(
     mesh (the run's inference mesh; None = one device), recorded in the result."""
     prompt = [int(x) for x in prompt]
     plen = len(prompt)
-    sampled = temperature > 0
-    mode = "sampled" if sampled else "greedy"
-    timers: dict[str, object] = {}  # name -> fn returning its own time in ms
-    resident = None
-    sampling = {"temperature": temperature} if sampled else None
+    mode = "sampled" if temperature > 0 else "greedy"
+    sampling = {"temperature": temperature} if temperature > 0 else None
     n_short, n_long = 8, 72
 
     def gen(n):
@@ -233,163 +337,102 @@ def round_breakdown(
             batch_buckets=(1,), length_buckets=(pow2_bucket(plen + n_long),),
         ))  # fmt: skip
 
-    timers["gen_short"], timers["gen_long"] = gen(n_short), gen(n_long)
+    timers: dict[str, object] = {"gen_short": gen(n_short), "gen_long": gen(n_long)}
     gammas = {d[0].block_size for d in drafters.values()}
     ts = sorted(set(verify_tokens) | {g + 1 for g in gammas} | {1})
-    first = None
+    first = resident = None
     for kind, (dcfg, dparams) in drafters.items():
-        g = dcfg.block_size
-        # the slot's room: re-admitted (untimed) every `rounds` rounds, within the context
-        margin = plen + 2 * (g + 1) + max(ts) + 8
-        max_len = min(margin + (reps + 4) * (g + 1), tcfg.max_position_embeddings)
-        rounds = (max_len - margin) // (g + 1)
-        if rounds < 2:
-            raise ConfigError(
-                f"the speed breakdown's prompt ({plen} tokens) leaves no room for rounds in the "
-                f"target's context ({tcfg.max_position_embeddings}); use a shorter prompt"
-            )
-        eng = ServingEngine(
-            tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed", max_len=max_len,
-            prompt_buckets=(plen,), token_buckets=(g + 1,), modes=(mode,), mesh=mesh,
-        )  # fmt: skip
-        eng.warmup()
+        eng, rounds, margin = _slot_engine(tcfg, tparams, dcfg, dparams, plen, ts, reps, mode, mesh)
         slot = _Slot(eng, prompt, temperature, rounds)
-        scfg = eng._scfg(mode)
-        sp = eng._sp_rows([slot.params], mode)
-        seeds = np.zeros(1, np.uint32)
-        s_len = eng.max_len
-        full, active = np.full(1, g, np.int32), np.ones(1, bool)
-
-        def run_round(st, eng=eng, g=g, scfg=scfg, sp=sp, seeds=seeds, full=full, active=active):
-            st, out = eng._round(eng.tcfg, eng.dcfg, scfg, g + 1, eng.max_len, *eng.program_params,
-                                 st, full, active, seeds, sp, eng.key)  # fmt: skip
-            jax.block_until_ready(out)
-            return st
-
-        def propose(slot=slot, eng=eng, scfg=scfg, sp=sp, seeds=seeds):
-            return _ms(lambda: jax.block_until_ready(_propose_jit()(
-                eng.dcfg, scfg, eng.program_params[1], slot.snapshot, eng.key, seeds, sp)))  # fmt: skip
-
-        def loop(dcfg_or_none, slot=slot, eng=eng, scfg=scfg, sp=sp, seeds=seeds, g=g):
-            drafts = jnp.zeros((g,), jnp.int32) + slot.snapshot.anchor[0]
-            d = dcfg_or_none is not None
-            args = (eng.tcfg, eng.max_len, *eng.verify_form, dcfg_or_none, scfg if d else None,
-                    eng.program_params[0], eng.program_params[1] if d else None, slot.snapshot,
-                    drafts, eng.key if d else None, seeds if d else None, sp if d else None)  # fmt: skip
-            return lambda: _ms(lambda: jax.block_until_ready(_forward_jit()(*args))) / FORWARD_LOOP
-
-        timers[f"verify_{kind}"] = loop(None)  # the same loop without the drafter
-        timers[f"verify_draft_{kind}"] = loop(eng.dcfg)
-        timers[f"dispatch_{kind}"] = lambda slot=slot, eng=eng: _ms(
-            lambda: jax.block_until_ready(_noop(*eng.program_params, slot.snapshot))
-        )
-        timers[f"propose_{kind}"] = propose
-        timers[f"round_{kind}"] = lambda slot=slot, run=run_round: slot.round_ms(run)
-        timers[f"step_{kind}"] = slot.step_ms
+        timers.update(_drafter_timers(kind, slot, mode))
         if first is None:  # the forward sweep on the first engine's slot state
-            first = (slot, s_len, f"verify_{kind}", g + 1)
-            k = resident_rounds
-            # room for the admission's K rounds and one timed call of K more: the cache
-            # stays near the other engines' length whatever K is
-            r_len = min(margin + 2 * k * (g + 1), tcfg.max_position_embeddings)
-            if k > 1 and (r_len - margin) // (g + 1) >= 2 * k:  # room for admission + K rounds
-                reng = ServingEngine(
-                    tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed", max_len=r_len,
-                    prompt_buckets=(plen,), token_buckets=(g + 1,), cache_buckets=(r_len,),
-                    modes=(mode,), rounds_per_call=k, mesh=mesh,
-                )  # fmt: skip
-                reng.warmup()
-                resident = (kind, _Resident(reng, prompt, temperature, (r_len - margin) // (g + 1)))
-                timers["resident"] = resident[1].step_ms
+            first = (slot, f"verify_{kind}", dcfg.block_size + 1)
+            rs = _resident_slot(tcfg, tparams, dcfg, dparams, prompt, temperature, mode, margin,
+                                resident_rounds, mesh)  # fmt: skip
+            if rs is not None:
+                resident = (kind, rs)
+                timers["resident"] = rs.step_ms
     if first is not None:
-        slot, s_len, same, t_same = first
-        for t in ts:
-            if t == t_same:  # the first engine's verify timer times this forward
-                continue
-            drafts = jnp.zeros((t - 1,), jnp.int32) + slot.snapshot.anchor[0]
-            timers[f"fwd_{t}"] = lambda drafts=drafts: _ms(lambda: jax.block_until_ready(
-                _forward_jit()(slot.eng.tcfg, s_len, *slot.eng.verify_form, None, None,
-                             slot.eng.program_params[0], None, slot.snapshot, drafts, None, None,
-                             None))) / FORWARD_LOOP  # fmt: skip
-    for fn in timers.values():  # compile and warm every program
-        fn()
-        fn()
-    samples: dict[str, list[float]] = {k: [] for k in timers}
-    order = list(timers)
-    rng = random.Random(seed)
-    with CompileCounter() as cc:
-        for _ in range(reps):
-            rng.shuffle(order)
-            for k in order:
-                samples[k].append(timers[k]())
-    med = {k: statistics.median(v) for k, v in samples.items()}
+        timers.update(_sweep_timers(first[0], ts, first[2]))
+    med, compilations = _medians(timers, reps, seed)
     if first is not None:
-        med[f"fwd_{first[3]}"] = med[first[2]]
+        med[f"fwd_{first[2]}"] = med[first[1]]
     step = max((med["gen_long"] - med["gen_short"]) / (n_long - n_short), 1e-6)
     out = {
         "temperature": temperature,
         "prompt_tokens": plen,
         "reps": reps,
         "mesh": None if mesh is None else dict(mesh.shape),
-        "compilations_during_timing": cc.count,
+        "compilations_during_timing": compilations,
         "step_ms": step,
         "verify_forward_ms": {t: med[f"fwd_{t}"] for t in ts} if first else {},
         "verify_forward_in_steps": {t: med[f"fwd_{t}"] / step for t in ts} if first else {},
-        "drafters": {},
+        "drafters": {k: _drafter_row(med, k, d[0].block_size, step) for k, d in drafters.items()},
     }
-    for kind, (dcfg, _) in drafters.items():
-        g = dcfg.block_size
-        # the separate proposal call and the round program pay one dispatch each
-        d = med[f"dispatch_{kind}"]
-        f = med[f"verify_{kind}"]  # per forward of a device loop
-        p = max(med[f"verify_draft_{kind}"] - f, 0.0)  # the drafter's work inside the program
-        dev_round, r = med[f"round_{kind}"], med[f"step_{kind}"]
-        rest = dev_round - d - p - f
-        host = r - p - f - rest
-        out["drafters"][kind] = {
-            "gamma": g,
-            "dispatch_ms": d,
-            "draft_ms": p,
-            "propose_call_ms": med[f"propose_{kind}"] - d,
-            "verify_forward_ms": f,
-            "commit_ms": rest,
-            "device_round_ms": dev_round,
-            "host_ms": host,
-            "round_ms": r,
-            "round_in_steps": r / step,
-            "draft_share_of_round": p / r,
-            "draft_share_of_verify": p / f,
-            "host_share_of_round": host / r,
-        }
     if resident is not None:
-        kind, rs = resident
-        d = med[f"dispatch_{kind}"]
-        per = [(st / n, (call - d) / n) for st, call, n in rs.samples[-reps:]]
-        rnd = statistics.median(r for r, _ in per)
-        devm = statistics.median(c for _, c in per)
-        p = out["drafters"][kind]["draft_ms"]
-        out["resident"] = {
-            "drafter": kind,
-            "rounds_per_call": rs.eng.rounds_per_call,
-            "rounds_timed": sum(n for _, _, n in rs.samples[-reps:]),
-            "round_ms": rnd,
-            "device_ms": devm,
-            "host_ms": rnd - devm,
-            "host_share_of_round": (rnd - devm) / rnd,
-            "draft_share_of_round": p / rnd,
-            "round_in_steps": rnd / step,
-        }
-    if "dspark" in drafters and "dflash" in drafters:
-        ds, df = out["drafters"]["dspark"], out["drafters"]["dflash"]
-        if drafters["dspark"][0].num_layers == drafters["dflash"][0].num_layers:
-            # same backbone: the difference is the sequential (Markov + confidence) head
-            head = ds["draft_ms"] - df["draft_ms"]
-            out["sequential_head_share_of_round"] = head / ds["round_ms"]
-            # None where drafting is below the timer's resolution (tiny test models)
-            out["sequential_head_share_of_propose"] = (
-                head / ds["draft_ms"] if ds["draft_ms"] > 0 else None
-            )
+        out["resident"] = _resident_row(med, *resident, out, reps, step)
+    out.update(_head_shares(out["drafters"], drafters))
     return out
+
+
+def _drafter_row(med: dict, kind: str, g: int, step: float) -> dict:
+    # the separate proposal call and the round program pay one dispatch each
+    d = med[f"dispatch_{kind}"]
+    f = med[f"verify_{kind}"]  # per forward of a device loop
+    p = max(med[f"verify_draft_{kind}"] - f, 0.0)  # the drafter's work inside the program
+    dev_round, r = med[f"round_{kind}"], med[f"step_{kind}"]
+    rest = dev_round - d - p - f
+    host = r - p - f - rest
+    return {
+        "gamma": g,
+        "dispatch_ms": d,
+        "draft_ms": p,
+        "propose_call_ms": med[f"propose_{kind}"] - d,
+        "verify_forward_ms": f,
+        "commit_ms": rest,
+        "device_round_ms": dev_round,
+        "host_ms": host,
+        "round_ms": r,
+        "round_in_steps": r / step,
+        "draft_share_of_round": p / r,
+        "draft_share_of_verify": p / f,
+        "host_share_of_round": host / r,
+    }
+
+
+def _resident_row(med: dict, kind: str, rs: _Resident, out: dict, reps: int, step: float):
+    d = med[f"dispatch_{kind}"]
+    per = [(st / n, (call - d) / n) for st, call, n in rs.samples[-reps:]]
+    rnd = statistics.median(r for r, _ in per)
+    devm = statistics.median(c for _, c in per)
+    p = out["drafters"][kind]["draft_ms"]
+    return {
+        "drafter": kind,
+        "rounds_per_call": rs.eng.rounds_per_call,
+        "rounds_timed": sum(n for _, _, n in rs.samples[-reps:]),
+        "round_ms": rnd,
+        "device_ms": devm,
+        "host_ms": rnd - devm,
+        "host_share_of_round": (rnd - devm) / rnd,
+        "draft_share_of_round": p / rnd,
+        "round_in_steps": rnd / step,
+    }
+
+
+def _head_shares(rows: dict, drafters: dict) -> dict:
+    """The sequential (Markov + confidence) head's share: DSpark less DFlash of the same
+    backbone, when both were timed."""
+    if "dspark" not in drafters or "dflash" not in drafters:
+        return {}
+    if drafters["dspark"][0].num_layers != drafters["dflash"][0].num_layers:
+        return {}
+    ds, df = rows["dspark"], rows["dflash"]
+    head = ds["draft_ms"] - df["draft_ms"]
+    return {
+        "sequential_head_share_of_round": head / ds["round_ms"],
+        # None where drafting is below the timer's resolution (tiny test models)
+        "sequential_head_share_of_propose": head / ds["draft_ms"] if ds["draft_ms"] > 0 else None,
+    }
 
 
 def add_ideal(breakdown: dict, tau: dict[str, float]) -> dict:

@@ -1,0 +1,135 @@
+"""The host side of one step's device calls: `RoundRunner` turns requests into the programs'
+inputs and reads their outputs back once.
+
+    runner = RoundRunner(config, programs, scheduler)
+    firsts = runner.prefill(admitted)                  # [(first token, conf [γ])] per request
+    lens, emitted, acc, conf = runner.run(running, pending_conf)    # [k, N, ...] host arrays
+
+`prefill` writes each admitted prompt in prompt-length-bucket chunks. `run` runs one
+host-scheduled round (lengths from the `Scheduler` on the pending drafts' confidences, the
+smallest token and cache buckets that hold them) or, when the engine runs K rounds per call and
+the policy is one the device computes (fixed γ / MTP-1 / static threshold), up to K
+device-resident rounds (`engine.rounds`). Either way the result has one row per round run, for
+`engine.commit.Committer`.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from dspark_jax.buckets import bucket_up
+from dspark_jax.engine import rounds as rounds_lib
+from dspark_jax.engine.config import EngineConfig, sampling_rows
+from dspark_jax.engine.device import PrefillInputs, RoundInputs
+from dspark_jax.engine.programs import EnginePrograms
+from dspark_jax.engine.requests import RequestParams
+from dspark_jax.engine.rounds import RoundsInputs
+from dspark_jax.engine.scheduling import Scheduler
+from dspark_jax.engine.slots import Request
+
+
+class RoundRunner:
+    def __init__(self, config: EngineConfig, programs: EnginePrograms, scheduler: Scheduler):
+        self.config, self.programs, self.scheduler = config, programs, scheduler
+        self._cuts: tuple | None = None  # (key, threshold cuts) for the device threshold policy
+
+    def set_scheduler(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def prefill(self, admitted: list[Request]) -> list[tuple]:
+        """Each admitted request's prompt into its slot; (first token, conf [γ]) per request."""
+        outs = []
+        for req in admitted:
+            mode = self.config.mode_for([req.params])
+            sp1 = sampling_rows([req.params], mode)
+            outs.append(self._prefill_one(req, mode, sp1))
+        return jax.device_get(outs)
+
+    def _prefill_one(self, req: Request, mode: str, sp1):
+        c, p = self.config, req.prompt
+        start, big = 0, c.prompt_buckets[-1]
+        while start < len(p):
+            n = min(big, len(p) - start)
+            size = bucket_up(n, c.prompt_buckets)
+            toks = np.zeros(size, np.int32)
+            toks[:n] = p[start : start + n]
+            nxt = np.zeros(size, np.int32)
+            follow = p[start + 1 : start + n + 1]
+            nxt[: len(follow)] = follow
+            last = start + n == len(p)
+            inp = PrefillInputs(np.int32(req.slot), toks, nxt, np.int32(start), np.int32(n),
+                                np.bool_(last), np.uint32(req.seed), sp1,
+                                self.programs.key)  # fmt: skip
+            cache_len = c.prefill_cache_len(start + size)
+            first, conf = self.programs.step_prefill(inp, mode=mode, cache_len=cache_len)
+            start += n
+        return first, conf
+
+    def run(self, running: list[Request], pending_conf: np.ndarray):
+        """One step's round(s) over the running requests: (lens, emitted, acc, conf), [k, N, ...]
+        host arrays of the k rounds run. `pending_conf` [N, γ]: each slot's pending raw
+        confidences (the scheduler's input)."""
+        n = self.config.num_slots
+        active = np.zeros(n, bool)
+        active[[r.slot for r in running]] = True
+        mode = self.config.mode_for([r.params for r in running])
+        params = [RequestParams(1)] * n
+        seeds = np.zeros(n, np.uint32)
+        for r in running:
+            params[r.slot] = r.params
+            seeds[r.slot] = r.seed
+        sp = sampling_rows(params, mode)
+        policy = self.device_policy()
+        if policy is not None and all(len(r.stop_set) <= rounds_lib.MAX_STOP_IDS for r in running):
+            inp = self._rounds_inputs(running, active, seeds, sp, policy)
+            out = self.programs.step_rounds(inp, mode=mode)
+            emitted, acc, lens, conf, count = jax.device_get(out)
+            k = int(count)
+            return lens[:k], emitted[:k], acc[:k], conf[:k]
+        slots = np.asarray([r.slot for r in running])
+        caps = np.asarray([r.params.max_new_tokens - len(r.tokens) - 1 for r in running])
+        lens_r = self.scheduler.lengths(pending_conf[slots], caps)
+        lengths = np.zeros(n, np.int32)
+        lengths[slots] = lens_r
+        total = int(np.sum(lens_r + 1))
+        t = next(b for b in self.config.token_buckets if b >= total)
+        need = max(r.pos + 1 + int(lengths[r.slot]) for r in running)
+        s = next(b for b in self.config.cache_buckets if b >= need)
+        inp = RoundInputs(lengths, active, seeds, sp, self.programs.key)
+        out = self.programs.step_round(inp, mode=mode, num_tokens=t, cache_len=s)
+        self.scheduler.prepare_next(len(running))  # overlaps the device's round
+        emitted, acc, conf = jax.device_get(out)
+        return lengths[None], emitted[None], acc[None], conf[None]
+
+    def _rounds_inputs(self, running, active, seeds, sp, policy) -> RoundsInputs:
+        n = self.config.num_slots
+        room = np.zeros(n, np.int32)
+        stop = np.full((n, rounds_lib.MAX_STOP_IDS), -1, np.int32)
+        for r in running:
+            room[r.slot] = r.params.max_new_tokens - len(r.tokens)
+            ids = sorted(r.stop_set)
+            stop[r.slot, : len(ids)] = ids
+        gamma_p, use_thr, cuts = policy
+        k = np.int32(self.config.rounds_per_call)
+        return RoundsInputs(active, seeds, sp, self.programs.key, room, stop, gamma_p, use_thr,
+                            cuts, k)  # fmt: skip
+
+    def device_policy(self):
+        """(gamma_p, use_threshold, cuts) when rounds run on the device, else None: the engine
+        was built with rounds_per_call > 1 and the policy is fixed γ / MTP-1 / static threshold
+        (Algorithm 1 and async top-K schedule on the host, one round per call)."""
+        from dspark_jax.sched.policies import FixedGamma, StaticThreshold
+
+        pol = self.scheduler.policy
+        g = self.config.gamma
+        if self.config.rounds_per_call <= 1:
+            return None
+        if isinstance(pol, FixedGamma):
+            return np.int32(pol.gamma), np.bool_(False), np.zeros(g, np.float32)
+        if isinstance(pol, StaticThreshold):
+            key = (self.scheduler.sts, float(pol.theta))
+            if self._cuts is None or self._cuts[0] != key:
+                self._cuts = (key, rounds_lib.threshold_cuts(key[0], g, key[1]))
+            return np.int32(0), np.bool_(True), self._cuts[1]
+        return None
