@@ -149,3 +149,23 @@ def test_write_pages_drops_padding_and_impl_seam():
     assert calls == [dict(q_per_req=0, window=3, softcap=None)]
     with pytest.raises(ValueError, match="unknown"):
         paged_attention(q, kp, vp, tables, kv_lens, cu, impl="nope")
+
+
+@pytest.mark.parametrize("q_per_req,window", [(0, None), (4, None), (0, 3), (4, 2)])
+def test_new_kv_read_only_equals_write_then_read(q_per_req, window):
+    """Attending the call's K/V directly (pool unwritten) == writing them first."""
+    q, kp, vp, tables, kv_lens, cu, _, _ = _case(4, 2, seed=3)
+    rng = np.random.default_rng(5)
+    k_new = jnp.asarray(rng.normal(size=(T, 2, 8)), jnp.float32)
+    v_new = jnp.asarray(rng.normal(size=(T, 2, 8)), jnp.float32)
+    slots = slot_mapping(tables, token_map(cu, kv_lens, T), PAGE)
+    kw = dict(q_per_req=q_per_req, window=window)
+    kp2, vp2 = write_pages(kp, vp, k_new, v_new, slots)
+    want = np.asarray(paged_attention(q, kp2, vp2, tables, kv_lens, cu, **kw))
+    got = np.asarray(paged_attention(q, kp, vp, tables, kv_lens, cu, new_kv=(k_new, v_new), **kw))
+    assert np.abs(got - want).max() <= 1e-5
+    # the pool's stale values at the new tokens' slots are really not read
+    assert (
+        np.abs(np.asarray(paged_attention(q, kp, vp, tables, kv_lens, cu, **kw)) - want).max()
+        > 1e-3
+    )

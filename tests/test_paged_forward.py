@@ -2,12 +2,18 @@
 prefill of three prompts of different lengths, then packed multi-request steps (decode, a
 verify whose tail is rejected and overwritten, a prefill chunk), pages interleaved in the pool."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dspark_jax.models import transformer as tf
-from dspark_jax.models.paged import init_paged_cache, paged_forward_jit
+from dspark_jax.models.paged import (
+    init_paged_cache,
+    paged_forward_jit,
+    paged_forward_kv_jit,
+    write_new_kv,
+)
 from dspark_jax.testing import CompileCounter, random_params, tiny_target_config
 
 CFG = tiny_target_config()
@@ -153,3 +159,23 @@ def test_allocator_driven_rounds_with_preemption_and_recompute(params):
     print(f"allocator-driven paged vs cache-free: max abs diff {worst:.3g}, {preempted} preempted")
     assert finished == rows and pool.free_pages == 12
     assert worst <= 1e-5 and preempted >= 1
+
+
+def test_read_only_forward_then_write_equals_the_writing_forward(params):
+    """`write=False` (pools only read, K/V returned) + `write_new_kv` == the writing forward."""
+    rng = np.random.default_rng(4)
+    tables = rng.permutation(P)[: 2 * B].reshape(2, B).astype(np.int32)
+    cache = init_paged_cache(CFG, P, PAGE)
+    toks = rng.integers(0, CFG.vocab_size, 16).astype(np.int32)
+    _, cache = paged_forward_jit(CFG, params, toks, np.asarray([0, 7, 13], np.int32),
+                                 np.asarray([7, 6], np.int32), tables, cache)  # fmt: skip
+    step = rng.integers(0, CFG.vocab_size, 8).astype(np.int32)
+    cu, kv = np.asarray([0, 3, 5], np.int32), np.asarray([10, 8], np.int32)
+    for qpr in (0, 3):
+        ro, new = paged_forward_kv_jit(CFG, params, step, cu, kv, tables, cache, q_per_req=qpr)
+        ro_cache = write_new_kv(cache, new)
+        wr, wr_cache = paged_forward_jit(CFG, params, step, cu, kv, tables,
+                                         jax.tree.map(jnp.copy, cache), q_per_req=qpr)  # fmt: skip
+        assert np.abs(np.asarray(ro.logits) - np.asarray(wr.logits))[0, :5].max() <= 1e-5
+        for a, b in zip(ro_cache.k + ro_cache.v, wr_cache.k + wr_cache.v):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

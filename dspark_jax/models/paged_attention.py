@@ -23,7 +23,8 @@ Semantics are `layers.attend`'s (the one attention: fp32 scores scaled by 1/sqrt
 soft-capping, masked softmax, a query with no visible key gives 0): a query at position p sees
 its own request's keys at positions j <= p (causal within the new tokens, all of the prefix),
 and with `window` only j > p - window. The caller writes the new tokens' K/V (`write_pages`)
-before attending, so they are read back from the pool like the prefix (one key set).
+before attending, so they are read back from the pool like the prefix (one key set), or passes
+them as `new_kv` (a second key set; the pool is then only read).
 
 `impl` is the seam for kernels: "xla" is the pure-JAX path below (the reference); a Pallas
 ragged paged attention kernel registers itself with `register_impl` under another name and
@@ -102,39 +103,64 @@ def gather_pages(pages, block_tables_XxB):
     return g.reshape(x, b * page, nkv, d).transpose(0, 2, 1, 3)
 
 
-def _visible(key_pos_S, pos_X, valid_X, window):
-    """[X, S] bool: key j visible to a query at pos p: j <= p (and j > p - window)."""
-    m = (key_pos_S[None, :] <= pos_X[:, None]) & valid_X[:, None]
+def _visible(key_pos_S, pos_X, valid_X, window, below_X=None):
+    """[X, S] bool: key j visible to a query at pos p: j <= p (and j > p - window); with
+    `below_X`, only keys j < below (the prefix before the call's own tokens)."""
+    last = pos_X if below_X is None else below_X - 1
+    m = (key_pos_S[None, :] <= last[:, None]) & valid_X[:, None]
     if window is not None:
         m = m & (key_pos_S[None, :] > pos_X[:, None] - window)
     return m
 
 
 def _xla(q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
-         *, q_per_req, window, softcap):  # fmt: skip
+         *, q_per_req, window, softcap, new_kv=None):  # fmt: skip
     """Pure JAX over `layers.attend`. Two layouts of the same reads:
     token-major (`q_per_req=0`): every token gathers its request's pages, T groups of one query
     (T copies of the context: cheap for few tokens over short contexts);
     request-major (`q_per_req=G`): each request's pages gathered once and its new tokens laid
-    out as G query rows (R x G x S scores; every request must have at most G new tokens)."""
+    out as G query rows (R x G x S scores; every request must have at most G new tokens).
+    With `new_kv` the pool is read for the prefix only and the call's own K/V are a second key
+    set (one softmax over both)."""
     t = q_TxNxD.shape[0]
     r, b = block_tables_RxB.shape
     page = k_pages.shape[1]
     tm = token_map(cu_q_lens_R1, kv_lens_R, t)
     key_pos = jnp.arange(b * page, dtype=jnp.int32)
+    below = None if new_kv is None else tm.pos - tm.offset
     if not q_per_req:
         tables = block_tables_RxB[tm.req]  # [T, B]
         k, v = gather_pages(k_pages, tables)[None], gather_pages(v_pages, tables)[None]
-        mask = _visible(key_pos, tm.pos, tm.valid, window)[None, :, None, :]  # [1, T, 1, S]
-        return attend(q_TxNxD[None], [(k, v, mask)], softcap=softcap)[0]
+        mask = _visible(key_pos, tm.pos, tm.valid, window, below)[None, :, None, :]  # [1,T,1,S]
+        sets = [(k, v, mask)]
+        if new_kv is not None:  # token i sees token j of its request at offset <= its own
+            same = (tm.req[None, :] == tm.req[:, None]) & (tm.offset[None, :] <= tm.offset[:, None])
+            own = same & tm.valid[None, :] & tm.valid[:, None]
+            if window is not None:
+                own = own & (tm.pos[None, :] > tm.pos[:, None] - window)
+            kn, vn = (x.transpose(1, 0, 2)[None] for x in new_kv)  # [1, n_kv, T, d]
+            sets.append((kn, vn, own[None]))
+        return attend(q_TxNxD[None], sets, softcap=softcap)[0]
     g = int(q_per_req)
     row = jnp.where(tm.valid, tm.req * g + tm.offset, r * g)  # out of range: dropped
-    q_g = jnp.zeros((r * g,) + q_TxNxD.shape[1:], q_TxNxD.dtype).at[row].set(q_TxNxD, mode="drop")
-    pos_g = jnp.full((r * g,), -1, jnp.int32).at[row].set(tm.pos, mode="drop")
+    by_row = lambda x, fill: (
+        jnp.full((r * g,) + x.shape[1:], fill, x.dtype).at[row].set(x, mode="drop")
+    )
+    q_g, pos_g = by_row(q_TxNxD, 0), by_row(tm.pos, -1)
     k = gather_pages(k_pages, block_tables_RxB)[None]  # [1, R, n_kv, S, d]
     v = gather_pages(v_pages, block_tables_RxB)[None]
-    mask = _visible(key_pos, pos_g, pos_g >= 0, window).reshape(1, r, g, b * page)
-    a = attend(q_g[None], [(k, v, mask)], softcap=softcap)[0]  # [R * G, n_q * d]
+    below_g = None if below is None else by_row(below, 0)
+    mask = _visible(key_pos, pos_g, pos_g >= 0, window, below_g).reshape(1, r, g, b * page)
+    sets = [(k, v, mask)]
+    if new_kv is not None:  # row i of a request sees its rows j <= i (causal within the call)
+        p = pos_g.reshape(r, g)
+        own = (p[:, None, :] >= 0) & (p[:, :, None] >= 0) & jnp.tril(jnp.ones((g, g), bool))
+        if window is not None:
+            own = own & (p[:, None, :] > p[:, :, None] - window)
+        kn, vn = (by_row(x, 0).reshape(r, g, *x.shape[1:]).transpose(0, 2, 1, 3)[None]
+                  for x in new_kv)  # fmt: skip  # [1, R, n_kv, G, d]
+        sets.append((kn, vn, own[None]))
+    a = attend(q_g[None], sets, softcap=softcap)[0]  # [R * G, n_q * d]
     return jnp.where(tm.valid[:, None], a[jnp.minimum(row, r * g - 1)], 0).astype(a.dtype)
 
 
@@ -143,8 +169,8 @@ _IMPLS: dict[str, AttentionImpl] = {"xla": _xla}
 
 
 def register_impl(name: str, fn: AttentionImpl) -> None:
-    """Make `fn` (paged_attention's arguments, keyword-only q_per_req / window / softcap;
-    returns [T, n_q * d]) selectable as `impl=name`."""
+    """Make `fn` (paged_attention's arguments, keyword-only q_per_req / window / softcap, and
+    new_kv if it supports it; returns [T, n_q * d]) selectable as `impl=name`."""
     _IMPLS[name] = fn
 
 
@@ -159,12 +185,17 @@ def paged_attention(
     q_per_req: int = 0,
     window: int | None = None,
     softcap: float | None = None,
+    new_kv: tuple[jax.Array, jax.Array] | None = None,
     impl: str = "xla",
 ) -> jax.Array:
     """Attention of the bucket's queries over their requests' paged K/V: [T, n_q * d] in q's
     dtype, zeros for padding tokens. Static: shapes, q_per_req (0: token-major layout; G: at
     most G new tokens per request, request-major), window, softcap, impl. Per call: the values
-    of block_tables, kv_lens, cu_q_lens (module docstring)."""
+    of block_tables, kv_lens, cu_q_lens (module docstring). `new_kv` ((k, v) [T, n_kv, d] of
+    the call's tokens, not yet in the pool): the pool is read only below each request's new
+    tokens and these are attended directly, so the pools need not be written first (the
+    device-resident rounds write once, after choosing among programs). Only impls that say so
+    accept it."""
     if impl not in _IMPLS:
         raise ValueError(f"paged_attention: impl={impl!r} unknown; registered: {sorted(_IMPLS)}")
     nq, nkv = q_TxNxD.shape[1], k_pages.shape[2]
@@ -172,5 +203,8 @@ def paged_attention(
         raise ValueError(f"paged_attention: {nq} query heads not a multiple of {nkv} kv heads")
     if window is not None and window < 1:
         raise ValueError(f"paged_attention: window={window} must be >= 1 (None: no window)")
+    kw = dict(q_per_req=q_per_req, window=window, softcap=softcap)
+    if new_kv is not None:
+        kw["new_kv"] = new_kv
     return _IMPLS[impl](q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
-                        q_per_req=q_per_req, window=window, softcap=softcap)  # fmt: skip
+                        **kw)  # fmt: skip
