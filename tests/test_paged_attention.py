@@ -169,3 +169,14 @@ def test_new_kv_read_only_equals_write_then_read(q_per_req, window):
         np.abs(np.asarray(paged_attention(q, kp, vp, tables, kv_lens, cu, **kw)) - want).max()
         > 1e-3
     )
+
+
+def test_request_major_overflow_gives_zeros_not_another_requests_rows():
+    """Tokens past q_per_req (a caller's error) come out 0; the other requests are unchanged."""
+    q, kp, vp, tables, kv_lens, cu, _, _ = _case(4, 2)
+    full = np.asarray(paged_attention(q, kp, vp, tables, kv_lens, cu, q_per_req=4))
+    short = np.asarray(paged_attention(q, kp, vp, tables, kv_lens, cu, q_per_req=2))
+    # request 0 has tokens 0..2, request 1 tokens 3..6, request 2 token 7 (module REQS)
+    keep = np.asarray([0, 1, 3, 4, 7])
+    np.testing.assert_array_equal(short[keep], full[keep])
+    assert not short[[2, 5, 6]].any()

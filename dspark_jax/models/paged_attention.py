@@ -142,7 +142,8 @@ def _xla(q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
             sets.append((kn, vn, own[None]))
         return attend(q_TxNxD[None], sets, softcap=softcap)[0]
     g = int(q_per_req)
-    row = jnp.where(tm.valid, tm.req * g + tm.offset, r * g)  # out of range: dropped
+    # out of range (padding, or a request's tokens past G: a caller's error): dropped, output 0
+    row = jnp.where(tm.valid & (tm.offset < g), tm.req * g + tm.offset, r * g)
     by_row = lambda x, fill: (
         jnp.full((r * g,) + x.shape[1:], fill, x.dtype).at[row].set(x, mode="drop")
     )
@@ -161,7 +162,7 @@ def _xla(q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
                   for x in new_kv)  # fmt: skip  # [1, R, n_kv, G, d]
         sets.append((kn, vn, own[None]))
     a = attend(q_g[None], sets, softcap=softcap)[0]  # [R * G, n_q * d]
-    return jnp.where(tm.valid[:, None], a[jnp.minimum(row, r * g - 1)], 0).astype(a.dtype)
+    return jnp.where((row < r * g)[:, None], a[jnp.minimum(row, r * g - 1)], 0).astype(a.dtype)
 
 
 AttentionImpl = Callable[..., jax.Array]
@@ -189,8 +190,9 @@ def paged_attention(
     impl: str = "xla",
 ) -> jax.Array:
     """Attention of the bucket's queries over their requests' paged K/V: [T, n_q * d] in q's
-    dtype, zeros for padding tokens. Static: shapes, q_per_req (0: token-major layout; G: at
-    most G new tokens per request, request-major), window, softcap, impl. Per call: the values
+    dtype, zeros for padding tokens. Static: shapes, q_per_req (0: token-major layout; G:
+    request-major, for at most G new tokens per request: a request's tokens past G get zeros),
+    window, softcap, impl. Per call: the values
     of block_tables, kv_lens, cu_q_lens (module docstring). `new_kv` ((k, v) [T, n_kv, d] of
     the call's tokens, not yet in the pool): the pool is read only below each request's new
     tokens and these are attended directly, so the pools need not be written first (the

@@ -78,7 +78,8 @@ def ragged_paged_attention_pallas(q_TxNxD, k_pages, v_pages, block_tables_RxB, k
     r, b = block_tables_RxB.shape
     g = int(q_per_req)
     tm = token_map(cu_q_lens_R1, kv_lens_R, t)
-    row = jnp.where(tm.valid, tm.req * g + tm.offset, r * g)  # out of range: dropped
+    # out of range (padding, or a request's tokens past G: a caller's error): dropped, output 0
+    row = jnp.where(tm.valid & (tm.offset < g), tm.req * g + tm.offset, r * g)
     q_g = jnp.zeros((r * g, nq, d), q_TxNxD.dtype).at[row].set(q_TxNxD, mode="drop")
     q_lens = (cu_q_lens_R1[1:] - cu_q_lens_R1[:-1]).astype(jnp.int32)
     whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)
@@ -97,7 +98,7 @@ def ragged_paged_attention_pallas(q_TxNxD, k_pages, v_pages, block_tables_RxB, k
     )(block_tables_RxB.astype(jnp.int32), kv_lens_R.astype(jnp.int32), q_lens,
       q_g.reshape(r, g, nq, d), k_pages, v_pages)  # fmt: skip
     a = out.reshape(r * g, nq * d)[jnp.minimum(row, r * g - 1)]
-    return jnp.where(tm.valid[:, None], a, 0).astype(q_TxNxD.dtype)
+    return jnp.where((row < r * g)[:, None], a, 0).astype(q_TxNxD.dtype)
 
 
 register_impl("pallas_interpret", ragged_paged_attention_pallas)
