@@ -250,9 +250,12 @@ def _few_queries_values(p, v):
     return o.reshape(b, nkv, u, tq, r, -1).transpose(0, 2, 3, 1, 4, 5)
 
 
-def attend(q_BxTxNxD, kv_sets):
+def attend(q_BxTxNxD, kv_sets, *, softcap: float | None = None):
     """GQA attention of queries [B, T, n_q, d] over one or more (k, v, mask) sets, one softmax
     (fp32) across all of them. Returns [B, T, n_q * d] in q's dtype.
+
+    `softcap` (static; None: off): Gemma-style logit soft-capping of the scaled scores,
+    s -> softcap * tanh(s / softcap), before the mask and the softmax.
 
     Each set is heads-first keys and values with a boolean mask (True = visible), either
       * k, v [B, n_kv, S, d], mask broadcastable to [B, T, S] — every query sees these keys, or
@@ -280,7 +283,10 @@ def attend(q_BxTxNxD, kv_sets):
             s = jnp.einsum(
                 f"buqkrd,{spec}->buqkrs", q, k.astype(dt), preferred_element_type=jnp.float32
             )
-        scores.append(s * scale)
+        s = s * scale
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
+        scores.append(s)
         if mask.ndim == 3:  # [B, T or 1, S] -> [B, U or 1, T/U or 1, S]
             mb, mt, ms = mask.shape
             mask = mask[:, None] if mt == 1 else mask.reshape(mb, u, mt // u, ms)
