@@ -231,8 +231,8 @@ def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params)
     own one-slot forward: ragged slots, an idle slot, bucket padding, a filled cache; the
     read-only forward (`packed_forward_kv`, the device-resident rounds') followed by `write_kv`
     gives the same logits and cache as the forward that writes as it goes; so does the writing
-    forward that reads the tokens' own K/V back from the cache with fused products (`one_set`,
-    `fused`: the single-program engine's form, equal up to float reassociation) in every layout."""
+    forward that reads the tokens' own K/V back from the cache (`one_set`: the single-program
+    engine's form, equal up to float reassociation) in every layout."""
     from dspark_jax.models.packed import SLOT_MAJOR_PAD, packed_forward, packed_forward_kv, write_kv
 
     rng = np.random.default_rng(3)
@@ -258,8 +258,7 @@ def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params)
                                        slot_tokens=g if by_slot else 0)  # fmt: skip
         else:
             out, c = packed_forward(CFG, params, toks, slot, off, pos, valid, cache, s_b,
-                                    slot_tokens=g if by_slot else 0, one_set=one_set,
-                                    fused=one_set)  # fmt: skip
+                                    slot_tokens=g if by_slot else 0, one_set=one_set)  # fmt: skip
         c = write_kv(cache, c) if read_only else c  # the resident rounds' form: write after
         return out.logits[0], c.k, c.v
 
@@ -298,24 +297,3 @@ def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params)
         np.testing.assert_allclose(new[0][rows], ref, rtol=1e-5, atol=1e-5)
         one_set = run(False, False, one, toks[rows], z, pos[rows], z == 0, off[rows], True)[0]
         np.testing.assert_allclose(one_set, ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
-def test_fused_projections_equal_the_separate_ones(arch):
-    """`Attention.qkv(fused=True)` (one product with q|k|v side by side, Qwen2's biases included)
-    and `MLP(fused=True)` (gate|up) give the separate products' values."""
-    from flax import nnx
-
-    from dspark_jax.models.layers import MLP, Attention
-
-    cfg = tiny_target_config(architecture=arch)
-    attn, mlp = Attention(cfg, rngs=nnx.Rngs(0)), MLP(cfg, rngs=nnx.Rngs(1))
-    if cfg.qkv_bias:  # non-zero biases, so that a misplaced one shows
-        for i, p in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)):
-            p.bias[...] = jnp.full(p.bias.shape, 0.1 * (i + 1), p.bias.dtype)
-    x = jax.random.normal(jax.random.key(2), (2, 5, cfg.hidden_size))
-    pos = jnp.broadcast_to(jnp.arange(3, 8), (2, 5))
-    for a, b in zip(attn.qkv(x, pos, fused=True), attn.qkv(x, pos)):
-        assert a.shape == b.shape
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(mlp(x, fused=True), mlp(x), rtol=1e-5, atol=1e-5)

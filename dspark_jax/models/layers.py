@@ -134,23 +134,11 @@ class Attention(nnx.Module):
         """Keys (k_norm, RoPE at `positions`) and values, heads-first [B, n_kv, T, d]."""
         return self._finish_kv(self.k_proj(x_BxTxI), self.v_proj(x_BxTxI), positions_BxT)
 
-    def qkv(self, x_BxTxI, positions_BxT, *, fused: bool = False):
-        """`queries` [B, T, n_q, d] and `keys_values` [B, n_kv, T, d] of the same input.
-
-        `fused` (static): one product with the three kernels side by side (concatenated inside
-        the program; XLA hoists that out of a decoding loop) instead of three: the same values
-        up to the product's summation order. On CPU a few-token product costs mostly its
-        dispatch and weight traffic (docs/MEASUREMENTS.md: verify_profile); keep the default where
-        the kernels are split over devices (tensor parallelism), whose concatenation moves data."""
-        if not fused:
-            return self.queries(x_BxTxI, positions_BxT), *self.keys_values(x_BxTxI, positions_BxT)
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        y = x_BxTxI @ jnp.concatenate([p.kernel[...] for p in projs], axis=1)
-        if self.q_proj.bias is not None:
-            y = y + jnp.concatenate([p.bias[...] for p in projs])
-        nq, nkv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
-        q, k, v = y[..., :nq], y[..., nq : nq + nkv], y[..., nq + nkv :]
-        return self._finish_q(q, positions_BxT), *self._finish_kv(k, v, positions_BxT)
+    def qkv(self, x_BxTxI, positions_BxT):
+        """`queries` [B, T, n_q, d] and `keys_values` [B, n_kv, T, d] of the same input (three
+        products: one concatenated product made the engine's verify 10% slower on XLA:CPU,
+        docs/MEASUREMENTS.md: engine_head)."""
+        return self.queries(x_BxTxI, positions_BxT), *self.keys_values(x_BxTxI, positions_BxT)
 
     def _finish_q(self, q_BxTxF, positions_BxT):
         c = self.cfg
@@ -179,13 +167,8 @@ class MLP(nnx.Module):
         self.up_proj = Linear(h, f, rngs=rngs, dtype=dt, logical=("embed", "mlp"))
         self.down_proj = Linear(f, h, rngs=rngs, dtype=dt, logical=("mlp", "embed"))
 
-    def __call__(self, x, *, fused: bool = False):
-        """`fused` (static): gate and up as one product (`Attention.qkv`'s `fused`)."""
-        if not fused:
-            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-        f = self.gate_proj.kernel.shape[1]
-        y = x @ jnp.concatenate([self.gate_proj.kernel[...], self.up_proj.kernel[...]], axis=1)
-        return self.down_proj(jax.nn.silu(y[..., :f]) * y[..., f:])
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def joint_softmax(scores, masks):

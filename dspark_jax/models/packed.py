@@ -102,15 +102,13 @@ def _put(cache_NxKxSxD, rows_1xT, heads_Kx1, pos_1xT, x_KxTxD):
 def packed_forward(
     cfg: TargetConfig, params, tokens_T, slot_T, offset_T, pos_T, valid_T,
     cache: tf.KVCache, cache_len: int, *, compute_logits: bool = True, slot_tokens: int = 0,
-    one_set: bool = False, fused: bool = False,
+    one_set: bool = False,
 ) -> tuple[tf.ForwardOut, tf.KVCache]:  # fmt: skip
     """`packed_forward_kv` that writes the tokens' K/V into the cache (lengths unchanged: the
     caller commits): each layer writes before it reads, so XLA updates the cache in place.
-    `one_set` (static): the tokens' own K/V read back from the cache (module docstring);
-    `fused` (static): q|k|v and gate|up as one product each (`layers.Attention.qkv`)."""
+    `one_set` (static): the tokens' own K/V read back from the cache (module docstring)."""
     return _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cache_len,
-                    compute_logits, slot_tokens, write=True, one_set=one_set,
-                    fused=fused)  # fmt: skip
+                    compute_logits, slot_tokens, write=True, one_set=one_set)  # fmt: skip
 
 
 def packed_forward_kv(
@@ -131,12 +129,11 @@ def packed_forward_kv(
     ForwardOut with [1, T, ...] arrays (logits fp32, features, hidden) and the tokens' K/V; the
     cache is only read."""
     return _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cache_len,
-                    compute_logits, slot_tokens, write=False, one_set=False,
-                    fused=False)  # fmt: skip
+                    compute_logits, slot_tokens, write=False, one_set=False)  # fmt: skip
 
 
 def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cache_len,
-             compute_logits, slot_tokens, *, write: bool, one_set: bool, fused: bool):  # fmt: skip
+             compute_logits, slot_tokens, *, write: bool, one_set: bool):  # fmt: skip
     """The forward; `write`: each layer writes its tokens' K/V into the cache before reading it
     (returns the cache), else the cache is only read (returns `NewKV`). The reads are the same
     either way: the prefix mask stops before the written positions. `one_set` (needs `write`):
@@ -182,7 +179,7 @@ def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cac
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         # q [1, T, n, d], k / v [1, K, T, d]
-        q, k, v = attn.qkv(layer.input_layernorm(x), pos_1xT, fused=fused)
+        q, k, v = attn.qkv(layer.input_layernorm(x), pos_1xT)
         ck, cv = cache.k[i], cache.v[i]  # [N, K, S, d]
         if write:  # then read: in place (a write after the reads made XLA copy the cache)
             ck, cv = (
@@ -215,7 +212,7 @@ def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cac
             else:  # token t gathers its own slot's prefix: T groups of one query
                 a = attend(q, [(ck[slot_T][None], cv[slot_T][None], m_ctx)] + own)
         x = x + attn.o_proj(a)
-        x = x + layer.mlp(layer.post_attention_layernorm(x), fused=fused)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
         new_k.append(k[0])
         new_v.append(v[0])
         if i in cfg.target_layer_ids:

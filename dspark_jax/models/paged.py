@@ -111,14 +111,13 @@ def paged_forward(
     window: int | tuple[int | None, ...] | None = None,
     softcap: float | None = None,
     impl: str = "xla",
-    fused: bool = False,
     write: bool = True,
 ) -> tuple[tf.ForwardOut, PagedKVCache | PagedNewKV]:
     """Returns ForwardOut with [1, T, ...] arrays (logits fp32, features, hidden) and the cache
     with the valid tokens' K/V written. Static: cfg, shapes, compute_logits, q_per_req (0:
     token-major attention; G: request-major, at most G new tokens per request), window (one for
     every layer or a tuple per layer; None: full attention), softcap, impl (the attention
-    implementation, `paged_attention.register_impl`), fused (`layers.Attention.qkv`), write
+    implementation, `paged_attention.register_impl`), write
     (False: the pools are only read, the tokens' K/V attended directly, and the second item is
     their `PagedNewKV` for `write_new_kv`; the same values up to float reassociation). Every
     valid token's position must lie inside its request's table (< B * page)."""
@@ -132,7 +131,7 @@ def paged_forward(
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         # q [1, T, n, d], k / v [1, K, T, d]
-        q, k, v = attn.qkv(layer.input_layernorm(x), pos_1xT, fused=fused)
+        q, k, v = attn.qkv(layer.input_layernorm(x), pos_1xT)
         k_t, v_t = k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)  # [T, K, d]
         if write:  # then read: in place (as packed.py)
             kp, vp = write_pages(cache.k[i], cache.v[i], k_t, v_t, slots_T)
@@ -147,7 +146,7 @@ def paged_forward(
                             softcap=softcap, new_kv=None if write else (k_t, v_t),
                             impl=impl)  # fmt: skip
         x = x + attn.o_proj(a[None])
-        x = x + layer.mlp(layer.post_attention_layernorm(x), fused=fused)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in cfg.target_layer_ids:
             feats[cfg.target_layer_ids.index(i)] = x
     features = jnp.concatenate([feats[j] for j in sorted(feats)], axis=-1)
@@ -159,7 +158,7 @@ def paged_forward(
     return out, PagedKVCache(tuple(out_k), tuple(out_v))
 
 
-_STATIC = ("cfg", "compute_logits", "q_per_req", "window", "softcap", "impl", "fused", "write")
+_STATIC = ("cfg", "compute_logits", "q_per_req", "window", "softcap", "impl", "write")
 # the writing forward donates the pools (updated in place); the read-only one must not
 paged_forward_jit = jax.jit(paged_forward, static_argnames=_STATIC, donate_argnames=("cache",))
 paged_forward_kv_jit = jax.jit(functools.partial(paged_forward, write=False),
