@@ -132,20 +132,23 @@ def packed_forward_kv(
                     compute_logits, slot_tokens, write=False, one_set=False)  # fmt: skip
 
 
-def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cache_len,
-             compute_logits, slot_tokens, *, write: bool, one_set: bool):  # fmt: skip
-    """The forward; `write`: each layer writes its tokens' K/V into the cache before reading it
-    (returns the cache), else the cache is only read (returns `NewKV`). The reads are the same
-    either way: the prefix mask stops before the written positions. `one_set` (needs `write`):
-    each token reads the cache up to its own position, its own tokens' K/V included."""
-    if one_set and not write:
-        raise ValueError("packed forward: one_set reads the tokens' K/V from the cache: write it")
-    model = tf.build(cfg, params)
-    s_max = cache.max_len
-    cache_len = min(int(cache_len), s_max)
-    t = tokens_T.shape[0]
-    x = jnp.take(model.embed_tokens[...], tokens_T, axis=0)[None]  # [1, T, H]
-    pos_1xT = pos_T[None].astype(jnp.int32)
+class _Layout(NamedTuple):
+    """How a packed call's queries meet the cache: slot-major (`by_slot`: each slot's G query rows
+    read its cache in place; `row` places token t, `back` reads it back) or token-major (each
+    token reads its own slot's prefix); the context and own-token masks of that layout."""
+
+    by_slot: bool
+    one_slot: bool
+    n_slots: int
+    g: int
+    row: jax.Array | None
+    back: jax.Array | None
+    m_ctx: jax.Array
+    m_own: jax.Array | None
+
+
+def _layout(cache, cache_len, slot_T, offset_T, pos_T, valid_T, slot_tokens, one_set) -> _Layout:
+    t = slot_T.shape[0]
     base_T = jnp.where(valid_T, pos_T - offset_T, 0)  # the slot's committed length (padding: 0)
     key_idx = jnp.arange(cache_len, dtype=jnp.int32)
     n_slots = cache.k[0].shape[0]
@@ -153,8 +156,8 @@ def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cac
     # slot-major pays attention for every slot's G rows; the gather pays a copy per token: the
     # first wins once the padded rows are at most SLOT_MAJOR_PAD x the tokens
     by_slot = not one_slot and 0 < n_slots * slot_tokens <= SLOT_MAJOR_PAD * t
+    g, row, back = int(slot_tokens), None, None
     if by_slot:  # slot-major query layout [N * G] for attention
-        g = int(slot_tokens)
         row = jnp.where(valid_T, slot_T * g + offset_T, n_slots * g)  # out of range: dropped
         valid_NG = jnp.zeros((n_slots * g,), bool).at[row].set(True, mode="drop")
         base_NG = jnp.zeros((n_slots * g,), jnp.int32).at[row].set(base_T, mode="drop")
@@ -173,6 +176,48 @@ def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cac
             m_ctx = (key_idx[None, :] <= upto_NG[:, None]).reshape(1, n_slots, g, cache_len)
         else:
             m_ctx = (key_idx[None, :] <= upto_T[:, None])[None, :, None, :]
+    return _Layout(by_slot, one_slot, n_slots, g, row, back, m_ctx, m_own)
+
+
+def _attend_cached(lay: _Layout, q, k, v, ck, cv, slot_T, one_set: bool):
+    """One layer's attention of the call's queries q [1, T, n, d] over the cache ck / cv
+    [N, K, S_b, d] (and, unless `one_set`, the call's own k / v [1, K, T, d])."""
+    n_slots, g, row = lay.n_slots, lay.g, lay.row
+    if lay.by_slot:  # slot n's G query rows read slot n's cache in place and its own G tokens
+        q_g = jnp.zeros((1, n_slots * g) + q.shape[2:], q.dtype).at[0, row].set(q[0], mode="drop")
+        if one_set:
+            return attend(q_g, [(ck[None], cv[None], lay.m_ctx)])[:, lay.back]
+        kv_g = [
+            jnp.zeros((n_slots * g,) + y.shape[1:2] + y.shape[3:], y.dtype)
+            .at[row]
+            .set(y[0].transpose(1, 0, 2), mode="drop")
+            .reshape(n_slots, g, y.shape[1], -1)
+            .transpose(0, 2, 1, 3)[None]
+            for y in (k, v)
+        ]  # [1, N, K, G, d]
+        sets = [(ck[None], cv[None], lay.m_ctx), (kv_g[0], kv_g[1], lay.m_own)]
+        return attend(q_g, sets)[:, lay.back]
+    own = [] if one_set else [(k, v, lay.m_own)]
+    if lay.one_slot:  # every token reads slot 0: no per-token copy of the cache
+        return attend(q, [(ck, cv, lay.m_ctx[:, :, 0])] + own)
+    # token t gathers its own slot's prefix: T groups of one query
+    return attend(q, [(ck[slot_T][None], cv[slot_T][None], lay.m_ctx)] + own)
+
+
+def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cache_len,
+             compute_logits, slot_tokens, *, write: bool, one_set: bool):  # fmt: skip
+    """The forward; `write`: each layer writes its tokens' K/V into the cache before reading it
+    (returns the cache), else the cache is only read (returns `NewKV`). The reads are the same
+    either way: the prefix mask stops before the written positions. `one_set` (needs `write`):
+    each token reads the cache up to its own position, its own tokens' K/V included."""
+    if one_set and not write:
+        raise ValueError("packed forward: one_set reads the tokens' K/V from the cache: write it")
+    model = tf.build(cfg, params)
+    s_max = cache.max_len
+    cache_len = min(int(cache_len), s_max)
+    x = jnp.take(model.embed_tokens[...], tokens_T, axis=0)[None]  # [1, T, H]
+    pos_1xT = pos_T[None].astype(jnp.int32)
+    lay = _layout(cache, cache_len, slot_T, offset_T, pos_T, valid_T, slot_tokens, one_set)
     write_T = jnp.where(valid_T, pos_T, s_max).astype(jnp.int32)  # s_max: dropped
     rows, heads = slot_T[None, :], jnp.arange(cfg.num_kv_heads)[:, None]
     feats, new_k, new_v, out_k, out_v = {}, [], [], [], []
@@ -189,29 +234,7 @@ def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cac
             out_k.append(ck)
             out_v.append(cv)
         ck, cv = ck[:, :, :cache_len], cv[:, :, :cache_len]  # [N, K, S_b, d]
-        if by_slot:  # slot n's G query rows read slot n's cache in place and its own G tokens
-            q_g = (
-                jnp.zeros((1, n_slots * g) + q.shape[2:], q.dtype).at[0, row].set(q[0], mode="drop")
-            )
-        if by_slot and one_set:
-            a = attend(q_g, [(ck[None], cv[None], m_ctx)])[:, back]
-        elif by_slot:
-            kv_g = [
-                jnp.zeros((n_slots * g,) + y.shape[1:2] + y.shape[3:], y.dtype)
-                .at[row]
-                .set(y[0].transpose(1, 0, 2), mode="drop")
-                .reshape(n_slots, g, y.shape[1], -1)
-                .transpose(0, 2, 1, 3)[None]
-                for y in (k, v)
-            ]  # [1, N, K, G, d]
-            a = attend(q_g, [(ck[None], cv[None], m_ctx), (kv_g[0], kv_g[1], m_own)])[:, back]
-        else:
-            own = [] if one_set else [(k, v, m_own)]
-            if one_slot:  # every token reads slot 0: no per-token copy of the cache
-                a = attend(q, [(ck, cv, m_ctx[:, :, 0])] + own)
-            else:  # token t gathers its own slot's prefix: T groups of one query
-                a = attend(q, [(ck[slot_T][None], cv[slot_T][None], m_ctx)] + own)
-        x = x + attn.o_proj(a)
+        x = x + attn.o_proj(_attend_cached(lay, q, k, v, ck, cv, slot_T, one_set))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         new_k.append(k[0])
         new_v.append(v[0])
