@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: load Qwen3 / Qwen2 / Llama safetensors into our params, save ours back.
+"""Hugging Face checkpoints: load Qwen3 / Qwen2 / Llama / Gemma 4 (text) safetensors into our params,
+save ours back (not yet Gemma 4).
 
 The weights live here; the `config.json` translation is `models.hf_config` and the tokenizer
 `models.hf_tokenizer` (both re-exported, so `from dspark_jax.models.hf import load_tokenizer` works).
@@ -8,7 +9,8 @@ The weights live here; the `config.json` translation is `models.hf_config` and t
     save_target_hf(cfg, params, "/out/my-target")  # transformers can load it too
 
 Name mapping (HF stores Linear weights [out, in]; our kernels are [in, out], so kernels are
-transposed on the way in and out; embeddings and norms are not):
+transposed on the way in and out; embeddings, norms and other parameters are not; Gemma 4's
+modules carry transformers' attribute names, so its tensors map by path the same way):
 
     model.embed_tokens.weight                         embed_tokens              [V, H]
     model.layers.N.self_attn.{q,k,v,o}_proj.weight    layers.N.self_attn.*.kernel
@@ -53,7 +55,7 @@ from dspark_jax.models.hf_tokenizer import (  # noqa: F401 (callers import them 
     load_tokenizer,
     quiet_transformers,
 )
-from dspark_jax.models.transformer import Transformer
+from dspark_jax.models.transformer import model_class
 from dspark_jax.parallel import param_shardings
 
 SAFETENSORS = "model.safetensors"
@@ -82,7 +84,7 @@ def hf_name(path: tuple) -> tuple[str, bool]:
 
 
 def _abstract_state(cfg: TargetConfig) -> nnx.State:
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[1]
+    return nnx.split(nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0))))[1]
 
 
 def expected_tensors(cfg: TargetConfig) -> dict[str, tuple[tuple, tuple[int, ...], bool]]:
@@ -154,9 +156,19 @@ def tensor_headers(files: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...],
     return out
 
 
+def ignored_tensors(cfg: TargetConfig) -> set[str]:
+    """Tensors a checkpoint may carry that the model never reads (transformers skips them too):
+    the K/V projections and norms of Gemma 4's KV-shared layers."""
+    if cfg.gemma is None:
+        return set()
+    first = cfg.num_layers - cfg.gemma.num_kv_shared_layers
+    parts = ("k_proj.weight", "v_proj.weight", "k_norm.weight", "v_norm.weight")
+    return {f"model.layers.{i}.self_attn.{p}" for i in range(first, cfg.num_layers) for p in parts}
+
+
 def _check_tensors(cfg: TargetConfig, headers, path: str) -> dict:
     expected = expected_tensors(cfg)
-    present = {n for n in headers if not n.endswith(_IGNORED_SUFFIXES)}
+    present = {n for n in headers if not n.endswith(_IGNORED_SUFFIXES)} - ignored_tensors(cfg)
     if cfg.tie_word_embeddings:
         present.discard("lm_head.weight")  # tied: HF ignores a stored head too
     missing = sorted(set(expected) - present)
