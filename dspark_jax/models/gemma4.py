@@ -126,8 +126,9 @@ class Gemma4(nnx.Module):
         )
         self.layers = nnx.List([Gemma4Layer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dt)
-        self.lm_head = None
-        if not cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
             self.lm_head = Linear(
                 h, cfg.vocab_size, rngs=rngs, dtype=dt, logical=("embed", "vocab")
             )
