@@ -24,10 +24,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dspark_jax.config import DrafterConfig, MeshConfig  # noqa: E402
+from dspark_jax.config import DrafterConfig, MeshConfig, TargetConfig  # noqa: E402
 from dspark_jax.errors import CheckpointError, ConfigError  # noqa: E402
 from dspark_jax.models.generate import generate  # noqa: E402
 from dspark_jax.models.hf import check_checkpoint, load_target  # noqa: E402
+from dspark_jax.models.packed import packed_forward  # noqa: E402
 from dspark_jax.models.transformer import forward_jit, init_cache, untie_lm_head  # noqa: E402
 from dspark_jax.parallel import make_mesh  # noqa: E402
 from dspark_jax.testing import positions_like  # noqa: E402
@@ -263,6 +264,8 @@ def test_kv_shared_layers_ignore_stored_kv_tensors(ckpts, tmp_path):
 
 
 def test_gemma4_config_checks(ckpts):
+    every = check_checkpoint(ckpts["all"][1])
+    assert TargetConfig.from_json(json.loads(json.dumps(every.to_json()))) == every
     cfg = check_checkpoint(ckpts["dense"][1])
     with pytest.raises(ConfigError, match="layer_types has 3 entries"):
         cfg.replace(gemma=dataclasses.replace(cfg.gemma, layer_types=(S, S, F)))
@@ -270,3 +273,6 @@ def test_gemma4_config_checks(ckpts):
         dataclasses.replace(cfg.gemma, layer_types=(S, S, S, F, F, F), num_kv_shared_layers=3)
     with pytest.raises(ConfigError, match="Gemma 4 targets are not supported yet"):
         DrafterConfig(target=cfg, mask_token_id=3)
+    with pytest.raises(ConfigError, match="does not support gemma4"):  # not silently wrong
+        z = jnp.zeros((4,), jnp.int32)
+        packed_forward(cfg, None, z, z, z, z, z == 0, init_cache(cfg, 1, 16), 16)
