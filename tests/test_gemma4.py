@@ -206,6 +206,30 @@ def test_sharded_checkpoint_and_mesh_load(ckpts, tokens, tmp_path):
     assert _maxdiff(out_m.logits, out.logits) <= 1e-5
 
 
+def test_multimodal_checkpoint_loads_its_text_decoder(tmp_path, tokens):
+    """A `Gemma4ForConditionalGeneration` checkpoint (how Gemma 4 is released): its text_config
+    and `model.language_model.*` tensors load, the vision tower is ignored, text logits match."""
+    torch.manual_seed(7)
+    text = transformers.Gemma4TextConfig(**{**_BASE, **VARIANTS["k_eq_v"]})
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    mm = transformers.Gemma4Config(
+        text_config=text, vision_config=vision, audio_config=None, tie_word_embeddings=False
+    )  # the wrapper's flag decides (transformers reads it, not text_config's)
+    model = transformers.Gemma4ForConditionalGeneration(mm).eval()
+    model.save_pretrained(tmp_path / "mm")
+    cfg, params = load_target(tmp_path / "mm")
+    assert cfg.architecture == "gemma4" and cfg.gemma.k_eq_v and not cfg.tie_word_embeddings
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens)).logits.numpy()
+    out, _ = _fwd(cfg, params, tokens, positions_like(jnp.asarray(tokens)))
+    d = _maxdiff(out.logits, ref)
+    print(f"gemma4 multimodal (text part): max |dlogit| = {d:.2e}")
+    assert d <= TOL and np.abs(ref).max() > 0.5
+
+
 # -------------------------------------------------------------------------------------------------
 # what load_target refuses, before reading a weight
 
@@ -236,7 +260,7 @@ def _edited(src, dst, **changes):
         (dict(per_layer_config={"2": {"sliding_window": 4}}), r"per_layer_config\['2'\]"),
         (dict(vocab_size_per_layer_input=128), "vocab_size_per_layer_input=128"),
         (dict(num_kv_shared_layers=6), "num_kv_shared_layers"),
-        (dict(architectures=["Gemma4ForConditionalGeneration"]), "multimodal Gemma 4"),
+        (dict(architectures=["Gemma4ForConditionalGeneration"]), "lacks its text_config"),
     ],
 )
 def test_unsupported_fields_are_refused(ckpts, tmp_path, changes, match):

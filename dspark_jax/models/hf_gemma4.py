@@ -1,7 +1,8 @@
 """Hugging Face Gemma 4 text `config.json` -> `TargetConfig` (architecture "gemma4"): the
 transformers 5 `Gemma4TextConfig` fields, with its defaults where a field is absent. Every field
 our decoder (`models/gemma4.py`) does not implement is refused here, before any weight is read.
-`models.hf_config.config_from_hf` dispatches here."""
+`models.hf_config.config_from_hf` dispatches here. A multimodal checkpoint
+(`Gemma4ForConditionalGeneration`) loads its text decoder (`weights_prefix`)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,30 @@ from typing import Any
 from dspark_jax.config import Gemma4Config, TargetConfig, default_target_layer_ids
 from dspark_jax.errors import CheckpointError
 
-_GEMMA4_MULTIMODAL = ("Gemma4ForConditionalGeneration", "Gemma4Model")
+_GEMMA4_MULTIMODAL = ("Gemma4ForConditionalGeneration",)
 _GEMMA4_OVERRIDES = {"head_dim", "num_key_value_heads"}
 
 
 def is_gemma4(hf: Mapping[str, Any]) -> bool:
     archs = hf.get("architectures") or []
-    if hf.get("model_type") == "gemma4" or any(a in _GEMMA4_MULTIMODAL for a in archs):
-        raise CheckpointError(
-            "multimodal Gemma 4 checkpoint (Gemma4ForConditionalGeneration): only the text "
-            "decoder (Gemma4ForCausalLM, model_type 'gemma4_text') can be loaded"
-        )
-    return hf.get("model_type") == "gemma4_text" or "Gemma4ForCausalLM" in archs
+    return (
+        hf.get("model_type") in ("gemma4_text", "gemma4")
+        or "Gemma4ForCausalLM" in archs
+        or any(a in _GEMMA4_MULTIMODAL for a in archs)
+    )
+
+
+def is_multimodal(hf: Mapping[str, Any]) -> bool:
+    """A `Gemma4ForConditionalGeneration` checkpoint (the released ones): the text decoder's
+    config is its `text_config`, its weights sit under `model.language_model.` (the vision and
+    audio towers are ignored)."""
+    archs = hf.get("architectures") or []
+    return hf.get("model_type") == "gemma4" or any(a in _GEMMA4_MULTIMODAL for a in archs)
+
+
+def weights_prefix(hf: Mapping[str, Any]) -> str:
+    """Where the decoder's tensors live: "model." or, multimodal, "model.language_model."."""
+    return "model.language_model." if is_gemma4(hf) and is_multimodal(hf) else "model."
 
 
 def _gemma4_refusals(hf: Mapping[str, Any]) -> None:
@@ -103,6 +116,11 @@ def _gemma4_global_geometry(hf, layer_types, head_dim: int, kv_heads: int) -> tu
 
 
 def gemma4_config(hf: dict[str, Any], target_layer_ids, dtype: str) -> TargetConfig:
+    if is_multimodal(hf):
+        if not isinstance(hf.get("text_config"), Mapping):
+            raise CheckpointError("multimodal Gemma 4 config.json lacks its text_config")
+        tied = hf.get("tie_word_embeddings", True)  # the wrapper's head ties or not
+        hf = {**hf["text_config"], "tie_word_embeddings": tied}
     _gemma4_refusals(hf)
     n_layers, n_heads, hidden = (
         int(hf[k]) for k in ("num_hidden_layers", "num_attention_heads", "hidden_size")
