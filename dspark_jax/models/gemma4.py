@@ -64,15 +64,17 @@ class Gemma4Layer(nnx.Module):
         wide = g.use_double_wide_mlp and not shape.has_kv
         width = cfg.intermediate_size * (2 if wide else 1)
         self.mlp = MLP(cfg, rngs=rngs, width=width, act="gelu_tanh")
-        for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
-            setattr(self, f"{name}_layernorm", RMSNorm(h, eps, dt))
+        self.input_layernorm = RMSNorm(h, eps, dt)
+        self.post_attention_layernorm = RMSNorm(h, eps, dt)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, dt)
+        self.post_feedforward_layernorm = RMSNorm(h, eps, dt)
         self.layer_scalar = nnx.Param(jnp.ones((1,), dt), logical=(None,))
-        if g.num_experts:
+        if g.num_experts:  # beside the MLP, each with its own post-norm, then both summed
             self.router = Router(cfg, rngs=rngs)
             self.experts = Experts(cfg, rngs=rngs)
-            for name in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2"):
-                setattr(self, name, RMSNorm(h, eps, dt))
             self.pre_feedforward_layernorm_2 = RMSNorm(h, eps, dt)
+            self.post_feedforward_layernorm_1 = RMSNorm(h, eps, dt)
+            self.post_feedforward_layernorm_2 = RMSNorm(h, eps, dt)
         else:
             self.router = self.experts = None
         p = g.hidden_size_per_layer_input

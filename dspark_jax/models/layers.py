@@ -16,6 +16,11 @@ queries form U consecutive groups of T / U and group u sees only its own S keys:
 sees its own slots, an Eagle3 TTT query its own position's earlier steps, a packed verify token
 its own slot's cache).
 
+Gemma 4 composes the same pieces with per-layer options whose defaults are today's behaviour:
+`Attention(shape=AttentionShape(...))` (its own head size / K/V heads, partial RoPE, K = V,
+value norm, no K/V for KV-shared layers), `attend(scale=...)`, `MLP(width=..., act=...)`; its
+sliding window is a mask.
+
 Parameters store logical axis names as `logical=` metadata; `parallel.py` maps them to mesh axes.
 """
 
