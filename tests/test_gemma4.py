@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 from dspark_jax.config import DrafterConfig, MeshConfig, TargetConfig  # noqa: E402
 from dspark_jax.errors import CheckpointError, ConfigError  # noqa: E402
 from dspark_jax.models.generate import generate  # noqa: E402
-from dspark_jax.models.hf import check_checkpoint, load_target  # noqa: E402
+from dspark_jax.models.hf import check_checkpoint, load_target, save_target_hf  # noqa: E402
 from dspark_jax.models.packed import packed_forward  # noqa: E402
 from dspark_jax.models.transformer import forward_jit, init_cache, untie_lm_head  # noqa: E402
 from dspark_jax.parallel import make_mesh  # noqa: E402
@@ -164,6 +164,19 @@ def test_cache_path_equals_full_pass(variant, ckpts, tokens):
     assert _maxdiff(feats, full.features) <= 1e-4 * max(1.0, np.abs(feats).max())
     assert _maxdiff(logits, _hf_run(model, tokens)[0]) <= TOL
 
+    # Rollback (a rejected draft): rows keep 17 and 22 tokens, their stale K/V stay in the
+    # cache (inside later windows), and 4 fresh tokens are verified from there.
+    keep = np.array([17, 22])
+    fresh = np.random.default_rng(5).integers(0, V, (B, T))
+    edited = np.where(np.arange(T)[None] < keep[:, None], tokens, fresh)
+    chunk = np.stack([edited[r, keep[r] : keep[r] + 4] for r in range(B)])
+    out, _ = _fwd(cfg, params, chunk, keep[:, None] + np.arange(4), cache.with_lengths(keep))
+    want = np.asarray(_fwd(cfg, params, edited, positions_like(jnp.asarray(edited)))[0].logits)
+    want = np.stack([want[r, keep[r] : keep[r] + 4] for r in range(B)])
+    assert _maxdiff(out.logits, want) <= 1e-4
+    stale = np.stack([np.asarray(full.logits)[r, keep[r] : keep[r] + 4] for r in range(B)])
+    assert _maxdiff(want, stale) > 1e-2  # the re-verified tokens do differ
+
 
 @pytest.mark.parametrize("variant", [*VARIANTS, "all"])
 def test_greedy_generate_equals_hf(variant, ckpts):
@@ -276,6 +289,7 @@ def _edited(src, dst, **changes):
         (dict(per_layer_config={"2": {"sliding_window": 4}}), r"per_layer_config\['2'\]"),
         (dict(vocab_size_per_layer_input=128), "vocab_size_per_layer_input=128"),
         (dict(num_kv_shared_layers=6), "num_kv_shared_layers"),
+        (dict(layer_types=[S, "chunked_attention", F, S, S, F]), "unknown layer_types"),
         (dict(architectures=["Gemma4ForConditionalGeneration"]), "lacks its text_config"),
     ],
 )
@@ -313,6 +327,8 @@ def test_gemma4_config_checks(ckpts):
         dataclasses.replace(cfg.gemma, layer_types=(S, S, S, F, F, F), num_kv_shared_layers=3)
     with pytest.raises(ConfigError, match="Gemma 4 targets are not supported yet"):
         DrafterConfig(target=cfg, mask_token_id=3)
+    with pytest.raises(CheckpointError, match="saving a gemma4 target as HF is not supported"):
+        save_target_hf(every, None, "/nonexistent/never-written")
     with pytest.raises(ConfigError, match="does not support gemma4"):  # not silently wrong
         z = jnp.zeros((4,), jnp.int32)
         packed_forward(cfg, None, z, z, z, z, z == 0, init_cache(cfg, 1, 16), 16)

@@ -320,6 +320,7 @@ def save_target_hf(
     dtype = dtype or cfg.dtype
     if dtype not in NP_DTYPE:
         raise CheckpointError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    text = json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n"  # refuses before any write
     expected = {p: name for name, (p, _, _) in expected_tensors(cfg).items()}
     flat = dict(nnx.to_flat_state(params))
     missing = sorted(expected[p] for p in set(expected) - set(flat))
@@ -338,7 +339,6 @@ def save_target_hf(
     os.makedirs(out_dir, exist_ok=True)
     with atomic_path(os.path.join(out_dir, SAFETENSORS)) as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
-    text = json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n"
     write_text_atomic(os.path.join(out_dir, "config.json"), text)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
