@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.errors import ConfigError
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.layers import attend
 
@@ -59,7 +58,6 @@ from dspark_jax.models.layers import attend
 # bucket's tokens: measured crossover of the two layouts on the demo's target at 8 and 32 slots
 # (docs/MEASUREMENTS.md: verify_layout)
 SLOT_MAJOR_PAD = 4
-_FAMILIES = ("qwen3", "qwen2", "llama")  # transformer.py's (not yet Gemma 4: sliding windows)
 
 
 class NewKV(NamedTuple):
@@ -142,11 +140,7 @@ def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cac
     each token reads the cache up to its own position, its own tokens' K/V included."""
     if one_set and not write:
         raise ValueError("packed forward: one_set reads the tokens' K/V from the cache: write it")
-    if cfg.architecture not in _FAMILIES:
-        raise ConfigError(
-            f"the packed forward (serving engine) does not support {cfg.architecture} targets "
-            "yet; use models.generate (issue 41)"
-        )
+    tf.require_transformer(cfg, "the packed forward (serving engine)")
     model = tf.build(cfg, params)
     s_max = cache.max_len
     cache_len = min(int(cache_len), s_max)

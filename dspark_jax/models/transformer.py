@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
+from dspark_jax.errors import ConfigError
 from dspark_jax.models import gemma4
 from dspark_jax.models.cache import ForwardOut, KVCache
 from dspark_jax.models.layers import (
@@ -59,6 +60,7 @@ __all__ = [  # the layers re-exported for the code that reads them from here
     "init_cache",
     "init_params",
     "param_count",
+    "require_transformer",
     "rope_inv_freq",
 ]
 
@@ -145,6 +147,17 @@ class Transformer(nnx.Module):
         if cache is not None:
             cache = cache._replace(k=tuple(new_k), v=tuple(new_v))
         return ForwardOut(logits, features, hidden), cache
+
+
+def require_transformer(cfg: TargetConfig, what: str) -> None:
+    """ConfigError unless `cfg` is one of this module's families: for the forwards that compose
+    `Transformer`'s layers themselves (packed, paged), which a Gemma 4 target would run without
+    its windows, norms and scales."""
+    if cfg.architecture == "gemma4":
+        raise ConfigError(
+            f"{what} does not support gemma4 targets yet; use models.forward / models.generate "
+            "(issue 41)"
+        )
 
 
 def model_class(cfg: TargetConfig):
