@@ -17,7 +17,8 @@ from typing import Any
 
 from dspark_jax.errors import ConfigError
 
-ARCHITECTURES = ("qwen3", "qwen2", "llama")
+ARCHITECTURES = ("qwen3", "qwen2", "llama", "gemma4")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def replace_checked(cfg, **overrides):
@@ -70,11 +71,71 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class Gemma4Config:
+    """What a Gemma 4 text decoder adds to `TargetConfig` (whose head_dim / num_kv_heads /
+    rope_theta are the sliding layers'). `models/gemma4.py` reads it.
+
+    layer_types: per layer, "sliding_attention" (keys within `sliding_window` positions back) or
+      "full_attention" (global: `global_head_dim`, `global_kv_heads`, K = V when `k_eq_v`,
+      RoPE with `global_rope_theta` on the first `global_rope_fraction` of each head, frequencies
+      divided by `global_rope_factor`: transformers' "proportional" RoPE; 1.0 and 1.0 = default).
+    num_kv_shared_layers: the last n layers compute no K/V; each reads the K/V of the last
+      earlier layer of its type. hidden_size_per_layer_input: width of the per-layer inputs
+      (0 = none). num_experts > 0: a mixture-of-experts block beside each layer's MLP.
+    """
+
+    layer_types: tuple[str, ...] = ("sliding_attention",) * 3 + ("full_attention",)
+    sliding_window: int = 512
+    global_head_dim: int = 32
+    global_kv_heads: int = 2
+    k_eq_v: bool = False
+    global_rope_theta: float = 1e6
+    global_rope_fraction: float = 0.25
+    global_rope_factor: float = 1.0
+    final_logit_softcapping: float | None = None
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    num_experts: int = 0
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.layer_types, tuple):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ConfigError(f"unknown layer_types {bad}; supported: {LAYER_TYPES}")
+        if self.sliding_window < 1:
+            raise ConfigError(f"sliding_window={self.sliding_window} must be >= 1")
+        if self.num_experts and not 0 < self.top_k_experts <= self.num_experts:
+            raise ConfigError(
+                f"top_k_experts={self.top_k_experts} must lie in [1, {self.num_experts}]"
+            )
+        n, s = len(self.layer_types), self.num_kv_shared_layers
+        if not 0 <= s < n or set(self.layer_types[n - s :]) - set(self.layer_types[: n - s]):
+            raise ConfigError(
+                f"num_kv_shared_layers={s}: every shared layer needs an earlier layer of its "
+                f"type among the first {n - s} to read K/V from"
+            )
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V `layer` attends to (itself unless it is KV-shared)."""
+        first_shared = len(self.layer_types) - self.num_kv_shared_layers
+        if layer < first_shared:
+            return layer
+        kind = self.layer_types[layer]
+        return max(i for i in range(first_shared) if self.layer_types[i] == kind)
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """Decoder-only target LM of the Qwen3 / Qwen2 / Llama-3 family.
+    """Decoder-only target LM of the Qwen3 / Qwen2 / Llama-3 family, or a Gemma 4 text decoder.
 
     `architecture` decides the small differences: qwen3 has per-head q/k RMSNorm and no bias,
-    qwen2 has q/k/v bias, llama has neither (and may carry llama3 RoPE scaling).
+    qwen2 has q/k/v bias, llama has neither (and may carry llama3 RoPE scaling); gemma4 is
+    `models/gemma4.py`, its specifics in `gemma`.
     `target_layer_ids` are the decoder layers whose raw outputs (residual stream after the block,
     before the final norm) are concatenated into the drafter's features (REFERENCE §1.4).
     """
@@ -94,11 +155,19 @@ class TargetConfig:
     max_position_embeddings: int = 4096
     target_layer_ids: tuple[int, ...] = (0, 1, 2)
     dtype: str = "float32"  # compute / parameter dtype: float32 or bfloat16
+    gemma: Gemma4Config | None = None  # the Gemma 4 specifics (architecture "gemma4" only)
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
             raise ConfigError(
                 f"unknown architecture {self.architecture!r}; supported: {ARCHITECTURES}"
+            )
+        if (self.architecture == "gemma4") != (self.gemma is not None):
+            raise ConfigError("TargetConfig.gemma is set exactly when architecture='gemma4'")
+        if self.gemma is not None and len(self.gemma.layer_types) != self.num_layers:
+            raise ConfigError(
+                f"gemma.layer_types has {len(self.gemma.layer_types)} entries for "
+                f"num_layers={self.num_layers}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
@@ -226,6 +295,8 @@ class DrafterConfig:
             raise ConfigError(
                 f"num_layers={self.num_layers} and block_size={self.block_size} must be >= 1"
             )
+        if self.target.architecture == "gemma4":
+            raise ConfigError("drafters for Gemma 4 targets are not supported yet (issue 41)")
         v = self.target.vocab_size
         if self.kind == "eagle3":
             if self.num_layers != 1:

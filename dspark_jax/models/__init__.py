@@ -1,4 +1,4 @@
-"""Target LM family (Qwen3 / Qwen2 / Llama 3), KV cache, Hugging Face checkpoint loading."""
+"""Target LMs (Qwen3 / Qwen2 / Llama 3, Gemma 4), KV cache, Hugging Face checkpoint loading."""
 
 from dspark_jax.models.transformer import (
     ForwardOut,

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: load Qwen3 / Qwen2 / Llama safetensors into our params, save ours back.
+"""Hugging Face checkpoints: load Qwen3 / Qwen2 / Llama / Gemma 4 (text) safetensors into our params,
+save ours back (not yet Gemma 4).
 
 The weights live here; the `config.json` translation is `models.hf_config` and the tokenizer
 `models.hf_tokenizer` (both re-exported, so `from dspark_jax.models.hf import load_tokenizer` works).
@@ -8,7 +9,8 @@ The weights live here; the `config.json` translation is `models.hf_config` and t
     save_target_hf(cfg, params, "/out/my-target")  # transformers can load it too
 
 Name mapping (HF stores Linear weights [out, in]; our kernels are [in, out], so kernels are
-transposed on the way in and out; embeddings and norms are not):
+transposed on the way in and out; embeddings, norms and other parameters are not; Gemma 4's
+modules carry transformers' attribute names, so its tensors map by path the same way):
 
     model.embed_tokens.weight                         embed_tokens              [V, H]
     model.layers.N.self_attn.{q,k,v,o}_proj.weight    layers.N.self_attn.*.kernel
@@ -48,12 +50,13 @@ from dspark_jax.models.hf_config import (  # noqa: F401 (callers import them fro
     hf_config_dict,
     read_hf_config,
 )
+from dspark_jax.models.hf_gemma4 import weights_prefix
 from dspark_jax.models.hf_tokenizer import (  # noqa: F401 (callers import them from here too)
     check_tokenizer_fits,
     load_tokenizer,
     quiet_transformers,
 )
-from dspark_jax.models.transformer import Transformer
+from dspark_jax.models.transformer import model_class
 from dspark_jax.parallel import param_shardings
 
 SAFETENSORS = "model.safetensors"
@@ -68,28 +71,31 @@ NP_DTYPE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 # names and expected shapes
 
 
-def hf_name(path: tuple) -> tuple[str, bool]:
-    """(Hugging Face tensor name, transposed?) for one of our flat parameter paths."""
+def hf_name(path: tuple, prefix: str = "model.") -> tuple[str, bool]:
+    """(Hugging Face tensor name, transposed?) for one of our flat parameter paths; `prefix`
+    is where the decoder's tensors live (`hf_gemma4.weights_prefix`)."""
     parts = [str(p) for p in path]
     if parts == ["embed_tokens"]:
-        return "model.embed_tokens.weight", False
+        return prefix + "embed_tokens.weight", False
     transpose = parts[-1] == "kernel"
     if transpose:
         parts[-1] = "weight"
     if parts[0] == "lm_head":
         return "lm_head.weight", transpose
-    return "model." + ".".join(parts), transpose
+    return prefix + ".".join(parts), transpose
 
 
 def _abstract_state(cfg: TargetConfig) -> nnx.State:
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[1]
+    return nnx.split(nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0))))[1]
 
 
-def expected_tensors(cfg: TargetConfig) -> dict[str, tuple[tuple, tuple[int, ...], bool]]:
+def expected_tensors(
+    cfg: TargetConfig, prefix: str = "model."
+) -> dict[str, tuple[tuple, tuple[int, ...], bool]]:
     """HF name -> (our path, HF shape, transposed?) for every tensor `cfg` needs."""
     out = {}
     for path, var in nnx.to_flat_state(_abstract_state(cfg)):
-        name, transpose = hf_name(path)
+        name, transpose = hf_name(path, prefix)
         shape = tuple(var.get_value().shape)
         out[name] = (path, shape[::-1] if transpose else shape, transpose)
     return out
@@ -154,9 +160,23 @@ def tensor_headers(files: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...],
     return out
 
 
-def _check_tensors(cfg: TargetConfig, headers, path: str) -> dict:
-    expected = expected_tensors(cfg)
+def ignored_tensors(cfg: TargetConfig, names, prefix: str = "model.") -> set[str]:
+    """Those of `names` a checkpoint may carry that the model never reads (transformers skips
+    them too): the K/V projections and norms of Gemma 4's KV-shared layers; in a multimodal
+    checkpoint, everything outside the text decoder but its LM head."""
+    if cfg.gemma is None:
+        return set()
+    first = cfg.num_layers - cfg.gemma.num_kv_shared_layers
+    parts = ("k_proj.weight", "v_proj.weight", "k_norm.weight", "v_norm.weight")
+    kv = {f"{prefix}layers.{i}.self_attn.{p}" for i in range(first, cfg.num_layers) for p in parts}
+    other = set() if prefix == "model." else {n for n in names if not n.startswith(prefix)}
+    return kv | (other - {"lm_head.weight"})
+
+
+def _check_tensors(cfg: TargetConfig, headers, path: str, prefix: str = "model.") -> dict:
+    expected = expected_tensors(cfg, prefix)
     present = {n for n in headers if not n.endswith(_IGNORED_SUFFIXES)}
+    present -= ignored_tensors(cfg, present, prefix)
     if cfg.tie_word_embeddings:
         present.discard("lm_head.weight")  # tied: HF ignores a stored head too
     missing = sorted(set(expected) - present)
@@ -199,8 +219,9 @@ def check_checkpoint(
 ) -> TargetConfig:
     """Validate a checkpoint directory without reading weights; returns its TargetConfig."""
     path = os.fspath(path)
-    cfg = config_from_hf(read_hf_config(path), dtype=dtype, target_layer_ids=target_layer_ids)
-    _check_tensors(cfg, tensor_headers(weight_files(path)), path)
+    hf = read_hf_config(path)
+    cfg = config_from_hf(hf, dtype=dtype, target_layer_ids=target_layer_ids)
+    _check_tensors(cfg, tensor_headers(weight_files(path)), path, weights_prefix(hf))
     return cfg
 
 
@@ -215,7 +236,8 @@ def load_target(
     mesh: jax.sharding.Mesh | None = None,
     target_layer_ids: tuple[int, ...] | None = None,
 ) -> tuple[TargetConfig, nnx.State]:
-    """Load a Hugging Face Qwen3 / Qwen2 / Llama checkpoint as (cfg, params).
+    """Load a Hugging Face Qwen3 / Qwen2 / Llama / Gemma 4 checkpoint as (cfg, params) (of a
+    multimodal Gemma 4 checkpoint, its text decoder).
 
     Reads `config.json` and `model.safetensors` or the shards named by
     `model.safetensors.index.json`. Weights are cast to `dtype` ("float32" or "bfloat16"),
@@ -230,9 +252,10 @@ def load_target(
     path = os.fspath(path)
     if dtype not in NP_DTYPE:
         raise CheckpointError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-    cfg = config_from_hf(read_hf_config(path), dtype=dtype, target_layer_ids=target_layer_ids)
+    hf = read_hf_config(path)
+    cfg = config_from_hf(hf, dtype=dtype, target_layer_ids=target_layer_ids)
     files = weight_files(path)
-    expected = _check_tensors(cfg, tensor_headers(files), path)
+    expected = _check_tensors(cfg, tensor_headers(files), path, weights_prefix(hf))
     abstract = _abstract_state(cfg)
     np_dtype = NP_DTYPE[dtype]
     shardings = None
@@ -297,6 +320,7 @@ def save_target_hf(
     dtype = dtype or cfg.dtype
     if dtype not in NP_DTYPE:
         raise CheckpointError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    text = json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n"  # refuses before any write
     expected = {p: name for name, (p, _, _) in expected_tensors(cfg).items()}
     flat = dict(nnx.to_flat_state(params))
     missing = sorted(expected[p] for p in set(expected) - set(flat))
@@ -315,7 +339,6 @@ def save_target_hf(
     os.makedirs(out_dir, exist_ok=True)
     with atomic_path(os.path.join(out_dir, SAFETENSORS)) as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
-    text = json.dumps(hf_config_dict(cfg, dtype), indent=2) + "\n"
     write_text_atomic(os.path.join(out_dir, "config.json"), text)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

@@ -11,6 +11,7 @@ from typing import Any
 
 from dspark_jax.config import RopeScaling, TargetConfig, default_target_layer_ids
 from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.models.hf_gemma4 import gemma4_config, is_gemma4
 
 _HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _HF_ARCH = {v: k for k, v in _HF_CLASS.items()}
@@ -49,6 +50,15 @@ def config_from_hf(
     ones `save_target_hf` recorded, else DFlash's rule (`config.default_target_layer_ids`).
     """
     hf = dict(hf)
+    if target_layer_ids is None and hf.get(_LAYER_IDS_KEY) is not None:
+        target_layer_ids = tuple(hf[_LAYER_IDS_KEY])
+    if is_gemma4(hf):
+        try:
+            return gemma4_config(hf, target_layer_ids, dtype)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from e
+        except KeyError as e:
+            raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from e
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU MLP) is")
@@ -61,9 +71,9 @@ def config_from_hf(
             f"unsupported attention_bias=true for {archs or mt}; only Qwen2 has q/k/v biases"
         )
     if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
-        raise CheckpointError("sliding-window attention layers are not supported")
-    if target_layer_ids is None and hf.get(_LAYER_IDS_KEY) is not None:
-        target_layer_ids = tuple(hf[_LAYER_IDS_KEY])
+        raise CheckpointError(
+            f"sliding-window attention layers are supported for Gemma 4 only, not {archs or mt}"
+        )
     try:
         return _target_config(hf, target_layer_ids, dtype)
     except ConfigError as e:  # TargetConfig's own checks
@@ -124,6 +134,8 @@ def _target_config(hf: dict[str, Any], target_layer_ids, dtype: str) -> TargetCo
 
 def hf_config_dict(cfg: TargetConfig, dtype: str | None = None) -> dict[str, Any]:
     """The Hugging Face `config.json` for `cfg` (transformers 5 layout, `rope_parameters`)."""
+    if cfg.architecture not in _HF_CLASS:
+        raise CheckpointError(f"saving a {cfg.architecture} target as HF is not supported yet")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling

@@ -16,11 +16,18 @@ queries form U consecutive groups of T / U and group u sees only its own S keys:
 sees its own slots, an Eagle3 TTT query its own position's earlier steps, a packed verify token
 its own slot's cache).
 
+Gemma 4 composes the same pieces with per-layer options whose defaults are today's behaviour:
+`Attention(shape=AttentionShape(...))` (its own head size / K/V heads, partial RoPE, K = V,
+value norm, no K/V for KV-shared layers), `attend(scale=...)`, `MLP(width=..., act=...)`; its
+sliding window is a mask.
+
 Parameters store logical axis names as `logical=` metadata; `parallel.py` maps them to mesh axes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -41,6 +48,12 @@ def normal_init(rngs: nnx.Rngs, shape, dtype, std=INIT_STD):
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+def rms_normalize(x, eps: float):
+    """cast_back(x32 * rsqrt(mean(x32^2) + eps)) over the last axis: RMSNorm without a scale."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     """y = w * cast_back(x32 * rsqrt(mean(x32^2) + eps)); statistics in fp32 (HF convention)."""
 
@@ -49,9 +62,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * y.astype(x.dtype)
+        return self.weight[...] * rms_normalize(x, self.eps)
 
 
 class Linear(nnx.Module):
@@ -87,6 +98,16 @@ def rope_inv_freq(cfg: TargetConfig, head_dim: int | None = None) -> jax.Array:
     return jnp.where(medium, smoothed, scaled)
 
 
+def partial_inv_freq(theta: float, head_dim: int, fraction: float, factor: float) -> jax.Array:
+    """Inverse frequencies [d_h/2] rotating only the first `fraction` of each head's pairs (the
+    exponent's denominator stays d_h; the rest get frequency 0, i.e. pass unrotated), all divided
+    by `factor` (transformers' "proportional" RoPE; fraction = factor = 1 is the default RoPE)."""
+    n_rot = int(fraction * head_dim // 2)
+    inv = 1.0 / (theta ** (jnp.arange(0, 2 * n_rot, 2, dtype=jnp.float32) / head_dim))
+    inv = jnp.concatenate([inv, jnp.zeros((head_dim // 2 - n_rot,), jnp.float32)])
+    return inv / factor
+
+
 def apply_rope(x_BxTxNxD, positions_BxT, inv_freq):
     """Non-interleaved ("rotate half") RoPE, computed in fp32.
 
@@ -104,27 +125,64 @@ def apply_rope(x_BxTxNxD, positions_BxT, inv_freq):
     return out.astype(x_BxTxNxD.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """One layer's attention where it is not `cfg`'s (Gemma 4 layers): its head size and K/V
+    heads, its RoPE (`partial_inv_freq` arguments), q/k norms, a scale-free value norm, K = V
+    (no v projection: V is the k projection before k_norm and RoPE), and whether the layer has
+    K/V projections at all (a KV-shared layer attends to another layer's K/V)."""
+
+    head_dim: int
+    num_kv_heads: int
+    rope: tuple[float, float, float]  # (theta, rotated fraction, frequency divisor)
+    qk_norm: bool = True
+    v_norm: bool = True
+    k_eq_v: bool = False
+    has_kv: bool = True
+
+
 class Attention(nnx.Module):
     """The q/k/v/o projections of one attention layer (+ Qwen3's q/k norms, Qwen2's qkv bias).
 
     `d_in` is the width the projections read (default the hidden size; Eagle3 reads its 2H-wide
-    [embedding; hidden] input). `dtype` defaults to `cfg.dtype`."""
+    [embedding; hidden] input). `dtype` defaults to `cfg.dtype`. `shape` (default: `cfg`'s
+    geometry, RoPE and norms) overrides them for one layer (`AttentionShape`)."""
 
-    def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, d_in=None, dtype=None):
+    def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, d_in=None, dtype=None, shape=None):
         dt = dtype_of(cfg.dtype) if dtype is None else dtype
-        h, nq, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nq = cfg.num_heads
+        nkv = cfg.num_kv_heads if shape is None else shape.num_kv_heads
+        d = cfg.head_dim if shape is None else shape.head_dim
+        h = cfg.hidden_size
         d_in = h if d_in is None else d_in
         b = cfg.qkv_bias
+        has_kv = shape is None or shape.has_kv
+        has_v = has_kv and (shape is None or not shape.k_eq_v)
         self.q_proj = Linear(d_in, nq * d, rngs=rngs, dtype=dt, logical=("embed", "heads"), bias=b)
-        self.k_proj = Linear(d_in, nkv * d, rngs=rngs, dtype=dt, logical=("embed", "kv"), bias=b)
-        self.v_proj = Linear(d_in, nkv * d, rngs=rngs, dtype=dt, logical=("embed", "kv"), bias=b)
+        self.k_proj = (
+            Linear(d_in, nkv * d, rngs=rngs, dtype=dt, logical=("embed", "kv"), bias=b)
+            if has_kv
+            else None
+        )
+        self.v_proj = (
+            Linear(d_in, nkv * d, rngs=rngs, dtype=dt, logical=("embed", "kv"), bias=b)
+            if has_v
+            else None
+        )
         self.o_proj = Linear(nq * d, h, rngs=rngs, dtype=dt, logical=("heads", "embed"))
-        if cfg.qk_norm:
+        if cfg.qk_norm if shape is None else shape.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt) if has_kv else None
         else:
             self.q_norm = self.k_norm = None
         self.cfg = cfg
+        self.shape = shape
+        self.head_dim, self.num_kv_heads = d, nkv
+
+    def inv_freq(self) -> jax.Array:
+        if self.shape is None:
+            return rope_inv_freq(self.cfg)
+        return partial_inv_freq(self.shape.rope[0], self.head_dim, *self.shape.rope[1:])
 
     def queries(self, x_BxTxI, positions_BxT):
         """Queries [B, T, n_q, d]: projection, q_norm (Qwen3), RoPE at `positions`."""
@@ -132,7 +190,9 @@ class Attention(nnx.Module):
 
     def keys_values(self, x_BxTxI, positions_BxT):
         """Keys (k_norm, RoPE at `positions`) and values, heads-first [B, n_kv, T, d]."""
-        return self._finish_kv(self.k_proj(x_BxTxI), self.v_proj(x_BxTxI), positions_BxT)
+        k = self.k_proj(x_BxTxI)
+        v = k if self.v_proj is None else self.v_proj(x_BxTxI)
+        return self._finish_kv(k, v, positions_BxT)
 
     def qkv(self, x_BxTxI, positions_BxT):
         """`queries` [B, T, n_q, d] and `keys_values` [B, n_kv, T, d] of the same input (three
@@ -141,34 +201,42 @@ class Attention(nnx.Module):
         return self.queries(x_BxTxI, positions_BxT), *self.keys_values(x_BxTxI, positions_BxT)
 
     def _finish_q(self, q_BxTxF, positions_BxT):
-        c = self.cfg
         b, t, _ = q_BxTxF.shape
-        q = q_BxTxF.reshape(b, t, c.num_heads, c.head_dim)
+        q = q_BxTxF.reshape(b, t, self.cfg.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q, positions_BxT, rope_inv_freq(c))
+        return apply_rope(q, positions_BxT, self.inv_freq())
 
     def _finish_kv(self, k_BxTxF, v_BxTxF, positions_BxT):
-        c = self.cfg
         b, t, _ = k_BxTxF.shape
-        k = k_BxTxF.reshape(b, t, c.num_kv_heads, c.head_dim)
-        v = v_BxTxF.reshape(b, t, c.num_kv_heads, c.head_dim)
+        k = k_BxTxF.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = v_BxTxF.reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        k = apply_rope(k, positions_BxT, rope_inv_freq(c))
+        if self.shape is not None and self.shape.v_norm:
+            v = rms_normalize(v, self.cfg.rms_norm_eps)
+        k = apply_rope(k, positions_BxT, self.inv_freq())
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nnx.Module):
-    def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, dtype=None):
+    """Gated MLP down(act(gate(x)) * up(x)); `act` names an `ACTIVATIONS` entry (SwiGLU by
+    default, GeGLU with tanh-approximated GELU for Gemma), `width` defaults to
+    `cfg.intermediate_size`."""
+
+    def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, dtype=None, width=None, act="silu"):
         dt = dtype_of(cfg.dtype) if dtype is None else dtype
-        h, f = cfg.hidden_size, cfg.intermediate_size
+        h, f = cfg.hidden_size, cfg.intermediate_size if width is None else width
         self.gate_proj = Linear(h, f, rngs=rngs, dtype=dt, logical=("embed", "mlp"))
         self.up_proj = Linear(h, f, rngs=rngs, dtype=dt, logical=("embed", "mlp"))
         self.down_proj = Linear(f, h, rngs=rngs, dtype=dt, logical=("mlp", "embed"))
+        self.act = act
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
 def joint_softmax(scores, masks):
@@ -233,9 +301,10 @@ def _few_queries_values(p, v):
     return o.reshape(b, nkv, u, tq, r, -1).transpose(0, 2, 3, 1, 4, 5)
 
 
-def attend(q_BxTxNxD, kv_sets, *, softcap: float | None = None):
+def attend(q_BxTxNxD, kv_sets, *, scale: float | None = None, softcap: float | None = None):
     """GQA attention of queries [B, T, n_q, d] over one or more (k, v, mask) sets, one softmax
-    (fp32) across all of them. Returns [B, T, n_q * d] in q's dtype.
+    (fp32) across all of them, scores scaled by `scale` (default 1/sqrt(d); Gemma 4: 1, its
+    q/k norms set the temperature). Returns [B, T, n_q * d] in q's dtype.
 
     `softcap` (static; None: off): Gemma-style logit soft-capping of the scaled scores,
     s -> softcap * tanh(s / softcap), before the mask and the softmax.
@@ -255,7 +324,7 @@ def attend(q_BxTxNxD, kv_sets, *, softcap: float | None = None):
     u = groups.pop() if groups else 1
     nkv = kv_sets[0][0].shape[-3]
     q = q_BxTxNxD.reshape(b, u, t // u, nkv, n // nkv, d)
-    scale = 1.0 / math.sqrt(d)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     scores, masks = [], []
     few = t * (n // nkv) < d  # few queries per key head: keys-first layouts (_few_queries)
     for k, _, mask in kv_sets:

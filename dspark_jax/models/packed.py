@@ -212,6 +212,7 @@ def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cac
     each token reads the cache up to its own position, its own tokens' K/V included."""
     if one_set and not write:
         raise ValueError("packed forward: one_set reads the tokens' K/V from the cache: write it")
+    tf.require_transformer(cfg, "the packed forward (serving engine)")
     model = tf.build(cfg, params)
     s_max = cache.max_len
     cache_len = min(int(cache_len), s_max)

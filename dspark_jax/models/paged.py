@@ -121,6 +121,7 @@ def paged_forward(
     (False: the pools are only read, the tokens' K/V attended directly, and the second item is
     their `PagedNewKV` for `write_new_kv`; the same values up to float reassociation). Every
     valid token's position must lie inside its request's table (< B * page)."""
+    tf.require_transformer(cfg, "the paged forward")
     model = tf.build(cfg, params)
     t = tokens_T.shape[0]
     tm = token_map(cu_q_lens_R1, kv_lens_R, t)

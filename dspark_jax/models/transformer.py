@@ -1,4 +1,5 @@
-"""The target LM: one decoder for Qwen3 (q/k norm), Qwen2 (qkv bias) and Llama 3 (RoPE scaling).
+"""The target LM: one decoder for Qwen3 (q/k norm), Qwen2 (qkv bias) and Llama 3 (RoPE scaling);
+`build`, `forward`, `init_cache` and `graphdef` dispatch a Gemma 4 config to `models/gemma4.py`.
 
 Flax NNX modules hold the parameters; the jit boundary is the pure function `forward`, which
 merges a cached graph definition with a parameter `nnx.State`. One forward serves prefill,
@@ -20,13 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
+from dspark_jax.errors import ConfigError
+from dspark_jax.models import gemma4
+from dspark_jax.models.cache import ForwardOut, KVCache
 from dspark_jax.models.layers import (
     MLP,
     Attention,
@@ -50,12 +53,14 @@ __all__ = [  # the layers re-exported for the code that reads them from here
     "Transformer",
     "apply_rope",
     "build",
+    "model_class",
     "forward",
     "forward_jit",
     "graphdef",
     "init_cache",
     "init_params",
     "param_count",
+    "require_transformer",
     "rope_inv_freq",
 ]
 
@@ -144,33 +149,25 @@ class Transformer(nnx.Module):
         return ForwardOut(logits, features, hidden), cache
 
 
-class ForwardOut(NamedTuple):
-    logits: jax.Array | None  # [B, T, V] fp32 (None when compute_logits=False)
-    features: jax.Array  # [B, T, m*H] raw outputs of cfg.target_layer_ids, concatenated in order
-    hidden: jax.Array  # [B, T, H] final-normed last hidden state
+def require_transformer(cfg: TargetConfig, what: str) -> None:
+    """ConfigError unless `cfg` is one of this module's families: for the forwards that compose
+    `Transformer`'s layers themselves (packed, paged), which a Gemma 4 target would run without
+    its windows, norms and scales."""
+    if cfg.architecture == "gemma4":
+        raise ConfigError(
+            f"{what} does not support gemma4 targets yet; use models.forward / models.generate "
+            "(issue 41)"
+        )
 
 
-class KVCache(NamedTuple):
-    """Per-layer K and V [B, n_kv, S, d_h] and committed lengths [B] (int32)."""
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-    lengths: jax.Array
-
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[2]
-
-    @property
-    def batch(self) -> int:
-        return self.k[0].shape[0]
-
-    def with_lengths(self, lengths) -> KVCache:
-        """Commit / roll back: only the length moves, K/V past it are simply never read."""
-        return self._replace(lengths=jnp.asarray(lengths, jnp.int32))
+def model_class(cfg: TargetConfig):
+    """The module class of a target config: `Transformer`, or `gemma4.Gemma4` for Gemma 4."""
+    return gemma4.Gemma4 if cfg.architecture == "gemma4" else Transformer
 
 
 def init_cache(cfg: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    if cfg.architecture == "gemma4":
+        return gemma4.init_cache(cfg, batch, max_len, dtype)
     dt = dtype_of(cfg.dtype) if dtype is None else dtype
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     z = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
@@ -181,16 +178,16 @@ def init_cache(cfg: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCac
 @functools.lru_cache(maxsize=64)
 def graphdef(cfg: TargetConfig):
     """The (static) NNX graph definition for a config, without allocating parameters."""
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0)))
     return nnx.split(abstract)[0]
 
 
 def init_params(cfg: TargetConfig, seed: int = 0) -> nnx.State:
     """Random parameters (HF default init: N(0, 0.02) weights, zero biases, unit norms)."""
-    return nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed)))[1]
+    return nnx.split(model_class(cfg)(cfg, rngs=nnx.Rngs(seed)))[1]
 
 
-def build(cfg: TargetConfig, params: nnx.State) -> Transformer:
+def build(cfg: TargetConfig, params: nnx.State) -> Transformer | gemma4.Gemma4:
     return nnx.merge(graphdef(cfg), params)
 
 
@@ -204,9 +201,11 @@ def untie_lm_head(cfg: TargetConfig, params: nnx.State) -> tuple[TargetConfig, n
     if not cfg.tie_word_embeddings:
         return cfg, params
     untied = dataclasses.replace(cfg, tie_word_embeddings=False)
-    out = nnx.split(nnx.eval_shape(lambda: Transformer(untied, rngs=nnx.Rngs(0))))[1]
+    out = nnx.split(nnx.eval_shape(lambda: model_class(untied)(untied, rngs=nnx.Rngs(0))))[1]
     pure = params.to_pure_dict()
-    pure["lm_head"] = {"kernel": jnp.transpose(pure["embed_tokens"])}  # a new [H, V] buffer
+    table = pure["embed_tokens"]
+    table = table["weight"] if isinstance(table, dict) else table  # Gemma 4: a ScaledEmbed
+    pure["lm_head"] = {"kernel": jnp.transpose(table)}  # a new [H, V] buffer
     nnx.replace_by_pure_dict(out, pure)
     return untied, out
 

@@ -1,0 +1,39 @@
+"""The target's forward output and dense KV cache types, shared by every target family
+(`transformer.py`, `gemma4.py`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ForwardOut(NamedTuple):
+    logits: jax.Array | None  # [B, T, V] fp32 (None when compute_logits=False)
+    features: jax.Array  # [B, T, m*H] raw outputs of cfg.target_layer_ids, concatenated in order
+    hidden: jax.Array  # [B, T, H] final-normed last hidden state
+
+
+class KVCache(NamedTuple):
+    """Per-layer K and V [B, n_kv, S, d_h] and committed lengths [B] (int32).
+
+    One entry per layer that computes K/V: every layer of `transformer.py`; in Gemma 4 the first
+    `num_layers - num_kv_shared_layers` layers (the KV-shared ones read those), with each layer's
+    own n_kv and d_h (its global layers have their own head geometry)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    def with_lengths(self, lengths) -> KVCache:
+        """Commit / roll back: only the length moves, K/V past it are simply never read."""
+        return self._replace(lengths=jnp.asarray(lengths, jnp.int32))

@@ -1,0 +1,204 @@
+"""The Gemma 4 text decoder, composed from `models/layers.py` (the one attention) and
+`models/gemma4_blocks.py`; `transformer.build` / `forward` dispatch here for architecture
+"gemma4", so the forward and KV cache contracts are `transformer.py`'s.
+
+Per layer (`cfg.gemma`): sliding-window layers attend to keys less than `sliding_window`
+positions back, global ("full_attention") layers to every earlier key with their own head size,
+K/V heads, RoPE (partial / proportional) and K = V option. Attention scores are not scaled
+(q/k RMS norms set the temperature) and values are RMS-normed without a scale. Around attention
+and the MLP: sandwich norms (pre and post); beside the MLP an optional mixture of experts; after
+them an optional per-layer input; the layer's output times a learned scalar. The embedding is
+scaled by sqrt(H), the logits soft-capped, the head tied or not.
+
+KV cache: the dense cache of `transformer.py` with one entry per layer that computes K/V (the
+KV-shared last layers read their source layer's entry, `Gemma4Config.kv_source`). Sliding
+layers keep the whole cache and see their window by masking: correct, not yet memory-lean (the
+serving engine's ring buffer of `sliding_window + γ + 1` is a later step).
+
+Shapes are written as suffixes: B batch, T tokens, S cache length, H hidden, L layers,
+P per-layer input width.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import TargetConfig
+from dspark_jax.models.cache import ForwardOut, KVCache
+from dspark_jax.models.gemma4_blocks import GELU, Experts, Router, ScaledEmbed, per_layer_inputs
+from dspark_jax.models.layers import (
+    MLP,
+    Attention,
+    AttentionShape,
+    Linear,
+    RMSNorm,
+    attend,
+    dtype_of,
+)
+
+SLIDING = "sliding_attention"
+
+
+def attention_shape(cfg: TargetConfig, layer: int) -> AttentionShape:
+    g = cfg.gemma
+    if g.layer_types[layer] == SLIDING:
+        d, nkv, rope, k_eq_v = cfg.head_dim, cfg.num_kv_heads, (cfg.rope_theta, 1.0, 1.0), False
+    else:
+        rope = (g.global_rope_theta, g.global_rope_fraction, g.global_rope_factor)
+        d, nkv, k_eq_v = g.global_head_dim, g.global_kv_heads, g.k_eq_v
+    return AttentionShape(d, nkv, rope, k_eq_v=k_eq_v, has_kv=g.kv_source(layer) == layer)
+
+
+def visible(key_pos_BxS, pos_BxT, window: int | None):
+    """[B, T, S]: key at or before the query, and (sliding layers) less than `window` back."""
+    k, q = key_pos_BxS[:, None, :], pos_BxT[:, :, None]
+    return (k <= q) if window is None else (k <= q) & (k > q - window)
+
+
+class Gemma4Layer(nnx.Module):
+    def __init__(self, cfg: TargetConfig, layer: int, *, rngs: nnx.Rngs):
+        g, dt, h, eps = cfg.gemma, dtype_of(cfg.dtype), cfg.hidden_size, cfg.rms_norm_eps
+        shape = attention_shape(cfg, layer)
+        self.self_attn = Attention(cfg, rngs=rngs, shape=shape)
+        wide = g.use_double_wide_mlp and not shape.has_kv
+        width = cfg.intermediate_size * (2 if wide else 1)
+        self.mlp = MLP(cfg, rngs=rngs, width=width, act="gelu_tanh")
+        self.input_layernorm = RMSNorm(h, eps, dt)
+        self.post_attention_layernorm = RMSNorm(h, eps, dt)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, dt)
+        self.post_feedforward_layernorm = RMSNorm(h, eps, dt)
+        self.layer_scalar = nnx.Param(jnp.ones((1,), dt), logical=(None,))
+        if g.num_experts:  # beside the MLP, each with its own post-norm, then both summed
+            self.router = Router(cfg, rngs=rngs)
+            self.experts = Experts(cfg, rngs=rngs)
+            self.pre_feedforward_layernorm_2 = RMSNorm(h, eps, dt)
+            self.post_feedforward_layernorm_1 = RMSNorm(h, eps, dt)
+            self.post_feedforward_layernorm_2 = RMSNorm(h, eps, dt)
+        else:
+            self.router = self.experts = None
+        p = g.hidden_size_per_layer_input
+        if p:
+            self.per_layer_input_gate = Linear(h, p, rngs=rngs, dtype=dt, logical=("embed", None))
+            self.per_layer_projection = Linear(p, h, rngs=rngs, dtype=dt, logical=(None, "embed"))
+            self.post_per_layer_input_norm = RMSNorm(h, eps, dt)
+        self.window = g.sliding_window if g.layer_types[layer] == SLIDING else None
+
+    def __call__(self, x_BxTxH, positions_BxT, key_pos_BxS, kv, layer_input_BxTxP=None):
+        """`kv`: this layer's cache entry (k, v) [B, n_kv, S, d] to write into, None for a
+        cache-free pass, or for a KV-shared layer the source layer's full (k, v) to read.
+        Returns (output, the (k, v) this layer attended to)."""
+        h = self.input_layernorm(x_BxTxH)
+        q = self.self_attn.queries(h, positions_BxT)
+        if self.self_attn.k_proj is not None:
+            k, v = self.self_attn.keys_values(h, positions_BxT)
+            if kv is not None:
+                ck, cv = kv
+                rows = jnp.arange(ck.shape[0])[:, None, None]
+                heads = jnp.arange(ck.shape[1])[None, :, None]
+                pos = positions_BxT[:, None, :]
+                k = ck.at[rows, heads, pos].set(k.astype(ck.dtype), mode="drop")
+                v = cv.at[rows, heads, pos].set(v.astype(cv.dtype), mode="drop")
+            kv = (k, v)
+        mask = visible(key_pos_BxS, positions_BxT, self.window)
+        a = attend(q, [(kv[0], kv[1], mask)], scale=1.0)
+        x = x_BxTxH + self.post_attention_layernorm(self.self_attn.o_proj(a))
+        f = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.experts is not None:
+            x_NxH = x.reshape(-1, x.shape[-1])
+            moe = self.experts(self.pre_feedforward_layernorm_2(x_NxH), self.router(x_NxH))
+            moe = self.post_feedforward_layernorm_2(moe.reshape(x.shape))
+            f = self.post_feedforward_layernorm_1(f) + moe
+        x = x + self.post_feedforward_layernorm(f)
+        if layer_input_BxTxP is not None:
+            g = GELU(self.per_layer_input_gate(x)) * layer_input_BxTxP
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return x * self.layer_scalar[...], kv
+
+
+class Gemma4(nnx.Module):
+    """Scaled embedding, Gemma 4 layers, final norm, (tied or untied) soft-capped LM head; the
+    per-layer inputs' model-level tables when `hidden_size_per_layer_input` > 0."""
+
+    def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs):
+        dt, h, g = dtype_of(cfg.dtype), cfg.hidden_size, cfg.gemma
+        self.cfg = cfg
+        self.embed_tokens = ScaledEmbed(
+            cfg.vocab_size, h, h**0.5, rngs=rngs, dtype=dt, logical=("vocab", "embed")
+        )
+        self.layers = nnx.List([Gemma4Layer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dt)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(
+                h, cfg.vocab_size, rngs=rngs, dtype=dt, logical=("embed", "vocab")
+            )
+        p = g.hidden_size_per_layer_input
+        if p:
+            lp = cfg.num_layers * p
+            self.embed_tokens_per_layer = ScaledEmbed(
+                g.vocab_size_per_layer_input,
+                lp,
+                p**0.5,
+                rngs=rngs,
+                dtype=dt,
+                logical=("vocab", None),
+            )
+            self.per_layer_model_projection = Linear(
+                h, lp, rngs=rngs, dtype=dt, logical=("embed", None)
+            )
+            self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps, dt)
+
+    def logits(self, hidden_BxTxH):
+        """fp32 logits from the final-normed hidden state, soft-capped: c·tanh(logits / c)."""
+        if self.lm_head is None:
+            w = self.embed_tokens.weight[...]
+            out = jnp.einsum("bth,vh->btv", hidden_BxTxH, w, preferred_element_type=jnp.float32)
+        else:
+            w = self.lm_head.kernel[...]
+            out = jnp.einsum("bth,hv->btv", hidden_BxTxH, w, preferred_element_type=jnp.float32)
+        cap = self.cfg.gemma.final_logit_softcapping
+        return out if cap is None else cap * jnp.tanh(out / cap)
+
+    def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None, compute_logits=True):
+        cfg, g = self.cfg, self.cfg.gemma
+        x = self.embed_tokens(tokens_BxT)
+        inputs = None
+        if g.hidden_size_per_layer_input:
+            args = (self.embed_tokens_per_layer, self.per_layer_model_projection)
+            inputs = per_layer_inputs(*args, self.per_layer_projection_norm, tokens_BxT, x)
+        if cache is None:
+            key_pos = positions_BxT
+        else:
+            s = cache.max_len
+            key_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (tokens_BxT.shape[0], s))
+        feats, kvs = [], []
+        for i, layer in enumerate(self.layers):
+            src = g.kv_source(i)
+            if src != i:
+                kv = kvs[src]
+            else:
+                kv = None if cache is None else (cache.k[i], cache.v[i])
+            li = None if inputs is None else inputs[:, :, i]
+            x, kv = layer(x, positions_BxT, key_pos, kv, li)
+            if src == i:
+                kvs.append(kv)
+            if i in cfg.target_layer_ids:
+                feats.append((cfg.target_layer_ids.index(i), x))
+        features = jnp.concatenate([f for _, f in sorted(feats, key=lambda t: t[0])], axis=-1)
+        hidden = self.norm(x)
+        logits = self.logits(hidden) if compute_logits else None
+        if cache is not None:
+            cache = cache._replace(k=tuple(k for k, _ in kvs), v=tuple(v for _, v in kvs))
+        return ForwardOut(logits, features, hidden), cache
+
+
+def init_cache(cfg: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """Zeros for each layer that computes K/V, in that layer's geometry [B, n_kv, S, d]."""
+    dt = dtype_of(cfg.dtype) if dtype is None else dtype
+    n = cfg.num_layers - cfg.gemma.num_kv_shared_layers
+    shapes = [attention_shape(cfg, i) for i in range(n)]
+    k = tuple(jnp.zeros((batch, s.num_kv_heads, max_len, s.head_dim), dt) for s in shapes)
+    v = tuple(jnp.zeros((batch, s.num_kv_heads, max_len, s.head_dim), dt) for s in shapes)
+    return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
