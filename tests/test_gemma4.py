@@ -31,9 +31,10 @@ from dspark_jax.models.generate import generate  # noqa: E402
 from dspark_jax.models.hf import check_checkpoint, load_target, save_target_hf  # noqa: E402
 from dspark_jax.models.packed import packed_forward  # noqa: E402
 from dspark_jax.models.paged import init_paged_cache, paged_forward  # noqa: E402
-from dspark_jax.models.transformer import forward_jit, init_cache, untie_lm_head  # noqa: E402
+from dspark_jax.models.transformer import init_cache, untie_lm_head  # noqa: E402
 from dspark_jax.parallel import make_mesh  # noqa: E402
 from dspark_jax.testing import positions_like  # noqa: E402
+from tests.test_hf_parity import _fwd, _maxdiff  # noqa: E402
 
 S, F = "sliding_attention", "full_attention"
 V, WINDOW, B, T = 256, 8, 2, 28  # T > 3 windows
@@ -90,14 +91,6 @@ def _hf_run(model, ids):
         out = model(torch.tensor(np.asarray(ids)), output_hidden_states=True)
     hs = [h.numpy() for h in out.hidden_states]
     return out.logits.numpy(), hs, hs[-1]
-
-
-def _fwd(cfg, params, tokens, positions, cache=None):
-    return forward_jit(cfg, params, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions), cache)
-
-
-def _maxdiff(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,15 @@ class ForwardOut(NamedTuple):
     hidden: jax.Array  # [B, T, H] final-normed last hidden state
 
 
+def outputs(model, x, feats, compute_logits: bool) -> ForwardOut:
+    """The forward's outputs from the last layer's `x` and the feature layers' (index, x) pairs:
+    the features in `target_layer_ids` order, the final norm, the logits (`model.norm`,
+    `model.logits`)."""
+    features = jnp.concatenate([f for _, f in sorted(feats, key=lambda t: t[0])], axis=-1)
+    hidden = model.norm(x)
+    return ForwardOut(model.logits(hidden) if compute_logits else None, features, hidden)
+
+
 class KVCache(NamedTuple):
     """Per-layer K and V [B, n_kv, S, d_h] and committed lengths [B] (int32).
 

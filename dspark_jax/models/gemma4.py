@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.models.cache import ForwardOut, KVCache
+from dspark_jax.models.cache import KVCache, outputs
 from dspark_jax.models.gemma4_blocks import GELU, Experts, Router, ScaledEmbed, per_layer_inputs
 from dspark_jax.models.layers import (
     MLP,
@@ -186,12 +186,9 @@ class Gemma4(nnx.Module):
                 kvs.append(kv)
             if i in cfg.target_layer_ids:
                 feats.append((cfg.target_layer_ids.index(i), x))
-        features = jnp.concatenate([f for _, f in sorted(feats, key=lambda t: t[0])], axis=-1)
-        hidden = self.norm(x)
-        logits = self.logits(hidden) if compute_logits else None
         if cache is not None:
             cache = cache._replace(k=tuple(k for k, _ in kvs), v=tuple(v for _, v in kvs))
-        return ForwardOut(logits, features, hidden), cache
+        return outputs(self, x, feats, compute_logits), cache
 
 
 def init_cache(cfg: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:

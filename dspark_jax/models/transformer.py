@@ -29,7 +29,7 @@ from flax import nnx
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError
 from dspark_jax.models import gemma4
-from dspark_jax.models.cache import ForwardOut, KVCache
+from dspark_jax.models.cache import ForwardOut, KVCache, outputs
 from dspark_jax.models.layers import (
     MLP,
     Attention,
@@ -141,12 +141,9 @@ class Transformer(nnx.Module):
                 new_v.append(kv[1])
             if i in cfg.target_layer_ids:
                 feats.append((cfg.target_layer_ids.index(i), x))
-        features = jnp.concatenate([f for _, f in sorted(feats, key=lambda t: t[0])], axis=-1)
-        hidden = self.norm(x)
-        logits = self.logits(hidden) if compute_logits else None
         if cache is not None:
             cache = cache._replace(k=tuple(new_k), v=tuple(new_v))
-        return ForwardOut(logits, features, hidden), cache
+        return outputs(self, x, feats, compute_logits), cache
 
 
 def require_transformer(cfg: TargetConfig, what: str) -> None:
