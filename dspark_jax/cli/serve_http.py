@@ -67,12 +67,8 @@ def add_subcommands(sub) -> None:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $DSPARK_API_KEY; unset: no authentication)")  # fmt: skip
-    s.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=1 << 20,
-        help="larger request bodies are refused with 413 (default 1 MiB)",
-    )
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="larger request bodies are refused with 413 (default 4 MiB)")  # fmt: skip
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take from arrival (queue included) before it is "
                         "cancelled and answered 504; 0: no limit")  # fmt: skip
