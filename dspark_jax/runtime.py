@@ -55,6 +55,7 @@ HUGEPAGES_ENV = "DSPARK_HUGEPAGES"
 CACHE_ENV = "DSPARK_COMPILATION_CACHE"
 XLA_CPU_TRAINING_ENV = "DSPARK_XLA_CPU_TRAINING"
 XLA_CPU_THREEFRY_ENV = "DSPARK_XLA_CPU_THREEFRY"
+API_KEY_ENV = "DSPARK_API_KEY"
 TUNABLE = "glibc.malloc.hugetlb"
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)
@@ -75,6 +76,7 @@ class Settings:
     coordinator: str  # JAX_COORDINATOR_ADDRESS
     num_processes: str  # JAX_NUM_PROCESSES (parsed by launch.init_distributed)
     process_id: str  # JAX_PROCESS_ID
+    api_key: str = dataclasses.field(default="", repr=False)  # DSPARK_API_KEY ("": none)
 
 
 def _off(environ: Mapping[str, str], name: str) -> bool:
@@ -103,6 +105,7 @@ def read(environ: Mapping[str, str]) -> Settings:
         coordinator=environ.get("JAX_COORDINATOR_ADDRESS", ""),
         num_processes=environ.get("JAX_NUM_PROCESSES", ""),
         process_id=environ.get("JAX_PROCESS_ID", ""),
+        api_key=environ.get(API_KEY_ENV, "").strip(),
     )
 
 

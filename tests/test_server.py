@@ -270,6 +270,7 @@ def test_full_queue_is_429_and_abandoned_requests_leave_the_queue(tok, target):
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30):
                 r = httpx.post(url + "/v1/completions", json=body, timeout=30)
                 assert r.status_code == 429 and "queue is full" in r.json()["error"]["message"]
+                assert int(r.headers["retry-after"]) >= 1
         deadline = time.monotonic() + 5
         while eng.metrics().queue_len and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -298,3 +299,29 @@ def test_reduced_load_test(live):
     assert counted["dspark:request_rejected_total{invalid}"] == sum(
         res["sent"][k] for k in ("malformed", "bad_knob", "too_long")
     )
+
+
+def test_api_key_over_the_running_engine_and_bench_sends_it(live, tok, capsys):
+    """A second app with an API key over the live engine: the openai client with the key gets
+    its completion; `serve.py bench` refuses to run without the key and passes with it."""
+    from dspark_jax.cli import bench
+
+    url, eng, stop = live
+    app = create_app(eng, tok, MODEL, stop_ids=stop, manage_engine=False, api_key="k-42")
+    server, thread, port = serve_in_thread(app)
+    keyed = f"http://127.0.0.1:{port}"
+    try:
+        c = openai.OpenAI(base_url=keyed + "/v1", api_key="k-42", max_retries=0)
+        r = c.completions.create(model=MODEL, prompt="key", max_tokens=6, temperature=0,
+                                 extra_body={"ignore_eos": True})  # fmt: skip
+        assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed + "/v1", api_key="no", max_retries=0).models.list()
+        argv = ["--url", keyed, "--requests", "8", "--concurrency", "2"]
+        assert bench.main(argv + ["--api-key", ""]) == 2
+        assert "wants an API key" in capsys.readouterr().err
+        assert bench.main(argv + ["--api-key", "k-42"]) == 0, capsys.readouterr()
+        assert json.loads(capsys.readouterr().out)["summary"]["ok"]
+    finally:
+        server.should_exit = True
+        thread.join(30)

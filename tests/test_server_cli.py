@@ -151,6 +151,16 @@ def test_export_writes_a_drafter_that_serves_with_its_calibration(ckpts, tmp_pat
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+def test_api_key_flag_else_environment(monkeypatch):
+    from dspark_jax import runtime
+
+    monkeypatch.setattr(runtime, "settings", lambda: runtime.read({"DSPARK_API_KEY": "env-k"}))
+    assert serve_http.api_key(_args("serve", "--run-dir", "r")) == "env-k"
+    assert serve_http.api_key(_args("serve", "--run-dir", "r", "--api-key", "flag-k")) == "flag-k"
+    assert serve_http.api_key(_args("serve", "--run-dir", "r", "--api-key", "")) == ""
+    assert _args("serve", "--run-dir", "r").host == "127.0.0.1"
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -158,6 +168,11 @@ def test_export_writes_a_drafter_that_serves_with_its_calibration(ckpts, tmp_pat
         (["serve", "--target", "/nonexistent/t", "--drafter", "dspark"], "checkpoint directory"),
         (["bench", "--url", "http://10.1.2.3:8000"], "only targets this machine"),
         (["bench", "--url", "http://127.0.0.1:9", "--requests", "0"], "--requests"),
+        (["serve", "--run-dir", "/nonexistent/run", "--max-body-bytes", "0"], "--max-body-bytes"),
+        (
+            ["serve", "--run-dir", "/nonexistent/run", "--request-timeout", "-1"],
+            "--request-timeout",
+        ),
     ],
 )
 def test_user_errors_are_one_line_exit_2(argv, needle, capsys):

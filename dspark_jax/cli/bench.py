@@ -11,6 +11,7 @@ import sys
 
 import httpx
 
+from dspark_jax import runtime
 from dspark_jax.eval import load_test
 from dspark_jax.eval.load_test import run_load
 
@@ -21,6 +22,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--concurrency", default="1,4,16,32", help="comma-separated phases")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    ap.add_argument("--api-key", default=None,
+                    help="the server's API key (default: $DSPARK_API_KEY)")  # fmt: skip
 
 
 def run_cli(args) -> int:
@@ -32,8 +35,9 @@ def run_cli(args) -> int:
         conc = tuple(int(c) for c in args.concurrency.split(","))
         if not conc or min(conc) < 1:
             raise ValueError(f"--concurrency must be positive integers, got {args.concurrency!r}")
+        key = runtime.settings().api_key if args.api_key is None else args.api_key
         res = asyncio.run(run_load(args.url, args.requests, conc, seed=args.seed,
-                                   timeout_s=args.timeout))  # fmt: skip
+                                   timeout_s=args.timeout, api_key=key))  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

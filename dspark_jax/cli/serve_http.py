@@ -64,6 +64,14 @@ def add_subcommands(sub) -> None:
                         "accelerator devices data parallel; one device on CPU)")  # fmt: skip
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM: seconds open requests may take to finish")  # fmt: skip
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $DSPARK_API_KEY; unset: no authentication)")  # fmt: skip
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="larger request bodies are refused with 413 (default 4 MiB)")  # fmt: skip
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take from arrival (queue included) before it is "
+                        "cancelled and answered 504; 0: no limit")  # fmt: skip
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--debug", action="store_true", help="show tracebacks of errors")
 
@@ -87,13 +95,21 @@ def run(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     log.setLevel(args.log_level.upper())
     try:
+        check_limits(args)
+    except ValueError as e:
+        return report(e, args.debug)
+    key = api_key(args)
+    try:
         check_local(f"http://{args.host}")  # refuse to bind beyond this machine
     except ValueError:
-        log.warning("binding %s: the server is reachable from other machines", args.host)
+        log.warning("binding %s: the server is reachable from other machines%s", args.host,
+                    "" if key else " without an API key (--api-key / DSPARK_API_KEY)")  # fmt: skip
     try:
         app = build_app(args)
     except user_errors() as e:
         return report(e, args.debug)
+    if key:
+        log.info("API key required on every route but /health")
     from dspark_jax.engine.server_run import run_server
 
     log.info("serving on http://%s:%d (Ctrl-C / SIGTERM drains and exits)", args.host, args.port)
@@ -225,4 +241,22 @@ def build_app(args):
     log.info("warm-up: %d compilations in %.1f s (slots %d, max_len %d, token buckets %s)",
              engine.compilations, time.perf_counter() - t0, engine.num_slots, engine.max_len,
              engine.token_buckets)  # fmt: skip
-    return create_app(engine, tok, name, stop_ids=stop_ids, drain_timeout_s=args.drain_timeout)
+    return create_app(engine, tok, name, stop_ids=stop_ids, drain_timeout_s=args.drain_timeout,
+                      api_key=api_key(args), max_body_bytes=args.max_body_bytes,
+                      request_timeout_s=args.request_timeout or None)  # fmt: skip
+
+
+def check_limits(args) -> None:
+    """The access-limit flags, checked before any model loads."""
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if args.request_timeout < 0:
+        raise ValueError(f"--request-timeout must be >= 0 (0: no limit), got "
+                         f"{args.request_timeout}")  # fmt: skip
+
+
+def api_key(args) -> str:
+    """`--api-key`, else $DSPARK_API_KEY (runtime.settings), else "" (no authentication)."""
+    from dspark_jax import runtime
+
+    return runtime.settings().api_key if args.api_key is None else args.api_key

@@ -15,36 +15,47 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_SEED = 2**32
+MAX_STOPS = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_STOP_IDS = 64  # stop token ids per request (stop_token_ids + ids in stop)
 
 
 class APIError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with `status`."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str = ""):
+    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str = "",
+                 headers: dict[str, str] | None = None):  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.kind = kind or _KIND.get(status, "invalid_request_error")
+        self.headers = headers
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+    def response(self) -> JSONResponse:
         return error_response(self.status, self.message, param=self.param, kind=self.kind,
-                              headers=headers)  # fmt: skip
+                              headers=self.headers)  # fmt: skip
 
 
 _KIND = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
+# seconds a client should wait before retrying a 429 (queue full) / 503 (draining)
+RETRY_AFTER = {429: "1", 503: "5"}
 
 
 def error_response(
     status: int, message: str, *, param: str | None = None, kind: str = "", headers=None
 ) -> JSONResponse:
+    if status in RETRY_AFTER:
+        headers = {"Retry-After": RETRY_AFTER[status], **(headers or {})}
     body = {
         "error": {
             "message": message,
@@ -99,11 +110,18 @@ class _Sampling(_Body):
             raise ValueError("presence_penalty / frequency_penalty are not supported; use 0")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
-        for s in self.stop_strings():
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"{len(stops)} stop strings; at most {MAX_STOPS} are allowed")
+        for s in stops:
             if not s:
                 raise ValueError("stop strings must be non-empty")
-        if len(self.stop_strings()) > 16:
-            raise ValueError("at most 16 stop strings")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string has {len(s)} characters; at most "
+                                 f"{MAX_STOP_CHARS} are allowed")  # fmt: skip
+        if len(self.extra_stop_ids()) > MAX_STOP_IDS:
+            raise ValueError(f"{len(self.extra_stop_ids())} stop token ids; at most "
+                             f"{MAX_STOP_IDS} are allowed")  # fmt: skip
         return self
 
     def stop_strings(self) -> list[str]:

@@ -7,9 +7,13 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's 
 `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus, see `server_metrics`).
 
 Contract:
+* with an `api_key`, every route but `/health` needs `Authorization: Bearer <key>` (else 401);
 * every request is validated before it reaches the engine (strict JSON body, sampling knobs,
   prompt non-empty and fitting `max_len` with its `max_tokens`); a user mistake is a 4xx
-  OpenAI-style error body, a full engine queue a 429 (`Retry-After`), a draining server a 503;
+  OpenAI-style error body, a body over `max_body_bytes` a 413 (read no further, chunked or not),
+  a full engine queue a 429 and a draining server a 503 (both with `Retry-After`);
+* a request not finished `request_timeout_s` after it arrived is cancelled in the engine and
+  answered 504 (`x-should-retry: false`), or, once streaming, ends with a 504 error event;
 * stop token ids go to the engine (the tokenizer's EOS ids unless `ignore_eos`, plus the
   request's ids); stop strings are matched here on the incrementally detokenized text, and the
   request is cancelled in the engine as soon as one is found;
@@ -25,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import time
 import uuid
@@ -53,7 +58,8 @@ MAX_BODY_BYTES = 4 << 20
 class _State:
     """What the handlers share: the engine, the tokenizer and the server's limits."""
 
-    def __init__(self, engine, tokenizer, model_name, stop_ids, max_len, vocab_size, drain_s):
+    def __init__(self, engine, tokenizer, model_name, stop_ids, max_len, vocab_size, drain_s,
+                 max_body_bytes, request_timeout_s):  # fmt: skip
         self.engine = engine
         self.tok = tokenizer
         self.model = model_name
@@ -61,6 +67,8 @@ class _State:
         self.max_len = int(max_len)
         self.vocab = int(vocab_size)
         self.drain_s = float(drain_s)
+        self.max_body = int(max_body_bytes)
+        self.timeout_s = float(request_timeout_s) if request_timeout_s else None
         self.draining = False
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: _as_dict(engine.metrics()), model_name)
@@ -82,12 +90,22 @@ def create_app(
     vocab_size: int | None = None,
     drain_timeout_s: float = 30.0,
     manage_engine: bool = True,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    request_timeout_s: float | None = None,
 ) -> FastAPI:
     """The FastAPI app. With `manage_engine`, the app's lifespan starts the engine (after
-    `warmup()`, which the caller may already have run) and drains it on shutdown."""
+    `warmup()`, which the caller may already have run) and drains it on shutdown. `api_key`
+    (None or "": no authentication), `max_body_bytes` and `request_timeout_s` (None or 0: no
+    limit) are the access limits of the module docstring."""
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if request_timeout_s is not None and request_timeout_s < 0:
+        raise ValueError(f"request_timeout_s must be >= 0, got {request_timeout_s}")
     max_len = max_len or engine.max_len
     vocab_size = vocab_size or engine.tcfg.vocab_size
-    st = _State(engine, tokenizer, model_name, stop_ids, max_len, vocab_size, drain_timeout_s)
+    st = _State(engine, tokenizer, model_name, stop_ids, max_len, vocab_size, drain_timeout_s,
+                max_body_bytes, request_timeout_s)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -104,7 +122,32 @@ def create_app(
     app.state.server = st
     _add_error_handlers(app)
     _add_routes(app, st)
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
     return app
+
+
+class _BearerAuth:
+    """ASGI middleware: every HTTP route but /health needs `Authorization: Bearer <key>`,
+    compared in constant time; a 401 goes out before the body is read."""
+
+    OPEN = frozenset({"/health"})
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = b"Bearer " + api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN:
+            return await self.app(scope, receive, send)
+        got = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(got, self.expected):
+            return await self.app(scope, receive, send)
+        why = "missing" if not got else "invalid"
+        resp = error_response(401, f"{why} API key: send the header 'Authorization: Bearer "
+                                   "<key>' with the server's --api-key / DSPARK_API_KEY",
+                              headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        await resp(scope, receive, send)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -179,9 +222,7 @@ def _reject(st: _State, err: APIError) -> APIError:
 async def _parse(st: _State, request: Request, model):
     if st.draining:
         raise _reject(st, APIError(503, "the server is shutting down; retry on another replica"))
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise _reject(st, APIError(413, f"request body over {MAX_BODY_BYTES} bytes"))
+    raw = await _read_body(st, request)
     try:
         req = parse_body(model, raw)
     except APIError as e:
@@ -190,6 +231,26 @@ async def _parse(st: _State, request: Request, model):
         raise _reject(st, APIError(404, f"the model {req.model!r} does not exist; this server "
                                         f"serves {st.model!r}", param="model"))  # fmt: skip
     return req
+
+
+async def _read_body(st: _State, request: Request) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `st.max_body`: from its
+    Content-Length before reading, else while the chunks arrive."""
+
+    def too_large(size: str) -> APIError:
+        return _reject(st, APIError(413, f"the request body is {size} bytes; this server accepts "
+                                         f"at most {st.max_body} (--max-body-bytes)"))  # fmt: skip
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > st.max_body:
+        raise too_large(declared)
+    parts, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > st.max_body:
+            raise too_large(f"at least {n}")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _params(st: _State, req, prompt_len: int) -> RequestParams:
@@ -262,7 +323,15 @@ class _Run:
     async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
         """(text, token ids) per engine delta; stops at the end of the request."""
         m = self.st.metrics
-        async for d in self.handle.astream():
+        deltas = self.handle.astream()
+        while True:
+            try:
+                d = await self._next(deltas)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                self.abort("timeout")
+                return
             toks = [int(t) for t in d.tokens]
             if d.stats is not None:
                 self.stats = d.stats
@@ -297,19 +366,36 @@ class _Run:
                 break
         self._record({"cancelled": "abort"}.get(self.finish_reason, self.finish_reason))
 
+    async def _next(self, deltas):
+        """The next delta; TimeoutError once `request_timeout_s` since arrival has passed."""
+        if self.st.timeout_s is None:
+            return await anext(deltas)
+        left = self.t0 + self.st.timeout_s - time.perf_counter()
+        if left <= 0:
+            raise TimeoutError
+        return await asyncio.wait_for(anext(deltas), left)
+
+    def timeout_error(self) -> APIError:
+        return APIError(504, f"the request did not finish within the server's limit of "
+                             f"{self.st.timeout_s:g} s (--request-timeout) and was cancelled; "
+                             "lower max_tokens or retry later",
+                        headers={"x-should-retry": "false"})  # fmt: skip
+
     def _record(self, outcome: str) -> None:
         if not self._recorded:
             self._recorded = True
             self.st.metrics.finished(outcome)
             self.st.metrics.e2e.observe(time.perf_counter() - self.t0)
 
-    def abort(self) -> None:
-        """The client went away: cancel in the engine (frees the slot at the next round)."""
+    def abort(self, reason: str = "cancelled") -> None:
+        """The client went away or the request timed out: cancel it in the engine (frees the
+        slot at the next round)."""
         if not self._engine_done:
             self.handle.cancel()
         if self.finish_reason is None:
-            self.finish_reason = "cancelled"
-        self._record("abort" if self.finish_reason == "cancelled" else self.finish_reason)
+            self.finish_reason = reason
+        done = self.finish_reason not in ("cancelled", "timeout")
+        self._record(self.finish_reason if done else "abort")
 
     def usage(self, prompt_len: int) -> dict[str, int]:
         n = len(self.tokens)
@@ -357,6 +443,8 @@ async def _unary(run: _Run, request: Request, base, req, prompt_len, *, chat: bo
     text = work.result()
     if run.finish_reason == "error":
         raise APIError(500, "the engine failed while generating this request")
+    if run.finish_reason == "timeout":
+        raise run.timeout_error()
     choice = _choice(chat, text, _public_reason(run.finish_reason), delta=False)
     if req.return_token_ids:
         choice["token_ids"] = run.tokens
@@ -392,6 +480,9 @@ async def _sse_stream(run: _Run, base, req, prompt_len, *, chat: bool):
         if run.finish_reason == "error":
             yield _sse({"error": {"message": "the engine failed while generating this request",
                                   "type": "internal_server_error", "code": 500}})  # fmt: skip
+        elif run.finish_reason == "timeout":
+            err = run.timeout_error()
+            yield _sse({"error": {"message": err.message, "type": err.kind, "code": 504}})
         else:
             last = _choice(chat, None if chat else "", _public_reason(run.finish_reason),
                            delta=True)  # fmt: skip

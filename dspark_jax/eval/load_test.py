@@ -203,12 +203,13 @@ async def _one(client, kind, rng, model, max_len, i, t: _Tally):
         t.fail(f"{kind}: {type(e).__name__}: {e}")
 
 
-async def _phase(url, c, n, rng, model, max_len, t: _Tally, timeout_s):
+async def _phase(url, c, n, rng, model, max_len, t: _Tally, timeout_s, headers):
     kinds = rng.choice(len(KINDS), size=n, p=MIX)
     queue = list(enumerate(kinds))
     lat0, tok0 = len(t.latency), t.tokens
     limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits,
+                                 headers=headers) as client:  # fmt: skip
 
         async def worker(w):
             wrng = np.random.default_rng([int(rng.integers(1 << 30)), w])
@@ -238,8 +239,8 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
-async def _idle_metrics(url, wait_s: float) -> dict[str, float]:
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+async def _idle_metrics(url, wait_s: float, headers) -> dict[str, float]:
+    async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as client:
         deadline = time.monotonic() + wait_s
         while True:
             m = _samples((await client.get("/metrics")).text)
@@ -251,21 +252,28 @@ async def _idle_metrics(url, wait_s: float) -> dict[str, float]:
 
 
 async def run_load(url: str, requests: int = 1000, concurrencies=(1, 4, 16, 32), *,
-                   seed: int = 0, timeout_s: float = 120.0, idle_wait_s: float = 30.0) -> dict:  # fmt: skip
-    """Run the load test against `url` (127.0.0.1 only); returns the result dict."""
+                   seed: int = 0, timeout_s: float = 120.0, idle_wait_s: float = 30.0,
+                   api_key: str = "") -> dict:  # fmt: skip
+    """Run the load test against `url` (127.0.0.1 only), sending `api_key` as a bearer token
+    when given; returns the result dict."""
     url = check_local(url)
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        card = (await client.get("/v1/models")).json()["data"][0]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as client:
+        r = await client.get("/v1/models")
+        if r.status_code == 401:
+            raise ValueError(f"{url} wants an API key: pass --api-key (or set DSPARK_API_KEY)"
+                             if not api_key else f"{url} refused the API key given")  # fmt: skip
+        card = r.json()["data"][0]
         before = _samples((await client.get("/metrics")).text)
     model, max_len = card["id"], int(card["max_model_len"])
     rng = np.random.default_rng(seed)
     t = _Tally()
     sizes = np.diff(np.linspace(0, requests, len(concurrencies) + 1).round().astype(int))
     t0 = time.perf_counter()
-    phases = [await _phase(url, c, int(n), rng, model, max_len, t, timeout_s)
+    phases = [await _phase(url, c, int(n), rng, model, max_len, t, timeout_s, headers)
               for c, n in zip(concurrencies, sizes)]  # fmt: skip
     wall = time.perf_counter() - t0
-    m = await _idle_metrics(url, idle_wait_s)
+    m = await _idle_metrics(url, idle_wait_s, headers)
     leaked_slots = int(m.get("vllm:num_requests_running", -1))
     leaked_queue = int(m.get("vllm:num_requests_waiting", -1))
     summary = {
