@@ -154,7 +154,7 @@ def test_missing_upstream_is_an_error_before_anything_runs(tmp_path):
         ("drafters.kinds=dspark,medusa", "unknown drafter kind 'medusa'"),
         ("regenerate.top_p=0", "regenerate.top_p=0.0 is out of range"),
         ("drafters.train.total_steps=0", "drafters.train.total_steps=0 is out of range"),
-        ("drafters.lr=0.1", "moved to drafters.train.learning_rate"),
+        ("drafters.lr=0.1", "unknown config key 'drafters.lr'"),
         ("evaluate.max_new_tokens=5000", "leaves -"),
         ("evaluate.max_len=4096", "exceeds the target's context"),
         ("data.eval_prompt_files=/nonexistent/p.jsonl", "does not exist"),
