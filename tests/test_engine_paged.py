@@ -4,6 +4,7 @@ all pages return after cancellations, no compilation after warm-up."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dspark_jax.engine import RequestParams, ServingEngine
@@ -11,7 +12,7 @@ from dspark_jax.errors import ConfigError, RequestError
 from dspark_jax.models.generate import generate
 from dspark_jax.sched import CostProfile
 from dspark_jax.testing import CompileCounter
-from tests.engine_models import agreeing_pair
+from tests.engine_models import agreeing_pair, trained_pair
 
 G = 4
 PROMPTS = [[3, 9, 1], [5, 6, 7, 8, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48], [1, 2], [7] * 20]
@@ -126,8 +127,6 @@ def test_cancellations_free_every_page(engine):
 
 def test_paged_config_errors(pair):
     tcfg, tp, dcfg, dp = pair
-    with pytest.raises(ConfigError, match="rounds_per_call"):
-        ServingEngine(tcfg, dcfg, tp, dp, kv_layout="paged", rounds_per_call=2, **KW)
     with pytest.raises(ConfigError, match="kv_layout"):
         ServingEngine(tcfg, dcfg, tp, dp, kv_layout="pages", **KW)
     eng = _engine(pair, num_pages=4)  # 32 positions
@@ -135,3 +134,40 @@ def test_paged_config_errors(pair):
         eng.submit([1] * 20, RequestParams(10, temperature=0.0))
     assert eng.page_pool is not None
     assert ServingEngine(tcfg, dcfg, tp, dp, **KW).page_pool is None
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_other_drafters_paged_with_preemption_equal_plain_decoding(kind, refs):
+    """Eagle3's context (one K/V array and its `g` rows) and DFlash's in pages, with a pool small
+    enough to preempt: plain greedy decoding's tokens, drafts really accepted."""
+    tcfg, tp, dcfg, dp = trained_pair(kind, gamma=G)
+    eng = ServingEngine(
+        tcfg, dcfg, tp, dp, num_slots=2, max_len=96, prompt_buckets=(8,), token_buckets=(4, 10),
+        modes=("greedy",), kv_layout="paged", page_size=8, num_pages=10,
+    )  # fmt: skip
+    eng.set_policy("fixed", gamma=G)
+    outs = eng.generate(PROMPTS, max_new_tokens=40, temperature=0.0, seeds=[1, 2, 3, 4, 5])
+    for i, o in enumerate(outs):
+        assert len(o.tokens) == 40 and o.tokens[: len(refs[i])] == refs[i], (kind, i)
+    assert np.mean([o.stats.mean_accepted_length for o in outs]) > 2.5
+    assert eng.page_pool.preemptions > 0
+    eng.page_pool.check()
+    assert eng.page_pool.used_pages == 0
+
+
+@pytest.mark.parametrize("num_pages", [0, 12])
+def test_paged_device_rounds_equal_plain_decoding(pair, refs, num_pages):
+    """K = 3 device-resident rounds per call on pages (the host reserves K rounds' pages; 12
+    pages of 8 force preemptions): plain greedy decoding's tokens, no compile after warm-up."""
+    eng = _engine(pair, rounds_per_call=3, num_pages=num_pages)
+    eng.warmup()
+    n = eng.compilations
+    for policy in ("fixed", "threshold"):
+        eng.set_policy(policy, threshold=0.4)
+        outs = _run_staggered(eng, [0, 1, 2, 3, 4])
+        for i, ref in enumerate(refs):
+            assert outs[i].tokens == ref, (policy, num_pages, i)
+    assert eng.compilations == n
+    assert (eng.page_pool.preemptions > 0) == (num_pages == 12)
+    eng.page_pool.check()
+    assert eng.page_pool.used_pages == 0

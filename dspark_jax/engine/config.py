@@ -88,11 +88,6 @@ class EngineConfig:
             raise ConfigError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
         if page_size < 1 or num_pages < 0:
             raise ConfigError(f"page_size ({page_size}) must be >= 1 and num_pages >= 0")
-        if kv_layout == "paged" and rounds_per_call > 1:
-            raise ConfigError(
-                "kv_layout='paged' runs host-scheduled rounds only: use rounds_per_call=1 "
-                "(the device-resident rounds do not read page tables yet)"
-            )
         num_pages = num_pages or -(-num_slots * max_len // page_size)
         g = dcfg.block_size
         top = num_slots * (g + 1)

@@ -132,30 +132,46 @@ def paged_prefill_chunk(spec: PrefillSpec, tparams, dparams, state: PagedState, 
     return state, first[0], conf[0]
 
 
-def paged_round(spec: RoundSpec, tparams, dparams, state: PagedState, inp: PagedRoundInputs):
-    """One speculative round over the active slots on the pools (`state` donated): (state,
-    device.RoundOut), the same tokens as `device.packed_round`."""
-    tcfg, dcfg, g = spec.tcfg, spec.dcfg, spec.dcfg.block_size
-    base, tables = inp
-    active = base.active
-    lengths_N = jnp.where(active, base.lengths, 0).astype(jnp.int32)
-    num_tokens = spec.num_tokens
-    slot, off, valid, starts = pack_indices(lengths_N, active, num_tokens)
+def paged_verify(tcfg, dcfg, num_tokens, tparams, state, lengths_N, active_N, tables, *,
+                 write=True):  # fmt: skip
+    """The paged verify forward (request-major, bucket T = num_tokens): (logits [N, γ+1, V],
+    features [N, γ+1, F], the pools with the tokens' K/V written); `write=False`: the pools only
+    read and the last item the tokens' `PagedNewKV` (for `write_new_kv`)."""
+    g = dcfg.block_size
+    slot, off, valid, starts = pack_indices(lengths_N, active_N, num_tokens)
     drafts = state.prop_tokens[slot, jnp.clip(off - 1, 0, g - 1)]
     toks = jnp.where(off == 0, state.anchor[slot], drafts)
-    n_tok = jnp.where(active, lengths_N + 1, 0).astype(jnp.int32)
+    n_tok = jnp.where(active_N, lengths_N + 1, 0).astype(jnp.int32)
     cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_tok).astype(jnp.int32)])
-    kv_lens = jnp.where(active, state.pos + n_tok, 0).astype(jnp.int32)
-    out, cache = paged_forward(tcfg, tparams, toks, cu, kv_lens, tables, state.cache,
-                               q_per_req=g + 1)  # fmt: skip
+    kv_lens = jnp.where(active_N, state.pos + n_tok, 0).astype(jnp.int32)
+    out, c = paged_forward(tcfg, tparams, toks, cu, kv_lens, tables, state.cache,
+                           q_per_req=g + 1, write=write)  # fmt: skip
     idx = jnp.clip(starts[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
-    fwd = (out.logits[0][idx], out.features[0][idx], _Lens(state.pos))
+    return out.logits[0][idx], out.features[0][idx], c
+
+
+def paged_finish(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds, sp, key, tables):
+    """`device.finish_round` on the paged state: the drafter runs on a dense view of its pages,
+    the positions it appended are committed back. Returns (state, RoundOut)."""
+    g = dcfg.block_size
+    logits, feats, cache = fwd
     dense = SlotState(_Lens(state.pos), view(state.ctx, tables), state.anchor, state.rounds,
                       state.prop_tokens, state.prop_probs, state.prop_conf)  # fmt: skip
-    new, ro = finish_round(dcfg, spec.scfg, dparams, dense, fwd, lengths_N, active, base.seeds,
-                           base.sampling, base.key)  # fmt: skip
+    new, ro = finish_round(dcfg, scfg, dparams, dense, (logits, feats, _Lens(state.pos)),
+                           lengths_N, active_N, seeds, sp, key)  # fmt: skip
     pos = new.cache.lengths
     pc = commit(state.ctx, new.ctx, tables, state.pos, pos - state.pos, g + 1)
     new_state = PagedState(cache, pc, pos, new.anchor, new.rounds, new.prop_tokens,
                            new.prop_probs, new.prop_conf)  # fmt: skip
     return new_state, ro
+
+
+def paged_round(spec: RoundSpec, tparams, dparams, state: PagedState, inp: PagedRoundInputs):
+    """One speculative round over the active slots on the pools (`state` donated): (state,
+    device.RoundOut), the same tokens as `device.packed_round`."""
+    base, tables = inp
+    lengths_N = jnp.where(base.active, base.lengths, 0).astype(jnp.int32)
+    fwd = paged_verify(spec.tcfg, spec.dcfg, spec.num_tokens, tparams, state, lengths_N,
+                       base.active, tables)  # fmt: skip
+    return paged_finish(spec.dcfg, spec.scfg, dparams, state, fwd, lengths_N, base.active,
+                        base.seeds, base.sampling, base.key, tables)  # fmt: skip

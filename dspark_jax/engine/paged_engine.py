@@ -3,7 +3,8 @@
 `ServingEngine` builds these instead of the slot-layout ones when the config asks for pages:
 
   PagedPrograms   `EnginePrograms` on a `paged_device.PagedState` (target and drafter K/V in
-                  page pools); each round's block tables come from `tables_fn(width)`;
+                  page pools); each call's block tables come from `tables_fn(width)`; K > 1
+                  rounds per call run `paged_rounds` (tables fixed for the call);
   PagedSlotTable  `SlotTable` plus the host `PagePool`: FIFO admission while the pool holds the
                   queue head's prompt + γ + 1 positions, pages freed at release (finish /
                   cancel), `preempt()` before each round (growth to pos + γ + 1, preemption by
@@ -58,7 +59,10 @@ class PagedPrograms(EnginePrograms):
     def _jit_programs(self, state_sh, repl):
         kw = dict(static_argnums=(0,), donate_argnums=(3,),
                   compiler_options=engine_compiler_options())  # fmt: skip
-        return flat_jit(pdev.paged_prefill_chunk, **kw), flat_jit(pdev.paged_round, **kw), None
+        from dspark_jax.engine.paged_rounds import paged_rounds
+
+        return (flat_jit(pdev.paged_prefill_chunk, **kw), flat_jit(pdev.paged_round, **kw),
+                flat_jit(paged_rounds, **kw))  # fmt: skip
 
     def round(self, state, inputs, *, mode: str, num_tokens: int, cache_len: int):
         """(state, RoundOut) after one round; `inputs` a `device.RoundInputs`, the tables added
@@ -69,7 +73,10 @@ class PagedPrograms(EnginePrograms):
         return self._call("round", self._round, spec, state, inp)
 
     def rounds(self, state, inputs, *, mode: str):
-        raise ConfigError("kv_layout='paged' runs host-scheduled rounds only (rounds_per_call=1)")
+        """(state, RoundsOut) after up to K device-resident rounds, the tables at full width
+        (the host reserved the K rounds' pages: `PagedSlotTable.preempt(rounds=K)`)."""
+        tables = self.tables_fn(_width(self.config.max_len, self.config.page_size))
+        return self._call("rounds", self._rounds, self.rounds_spec(mode), state, (inputs, tables))
 
     def warmup(self) -> None:
         """Every (mode, chunk, width) prefill and (mode, T, width) round, nothing active (a
@@ -88,6 +95,8 @@ class PagedPrograms(EnginePrograms):
                 for s in c.cache_buckets:
                     self.step_round(self.idle_round_inputs(mode), mode=mode, num_tokens=t,
                                     cache_len=s)  # fmt: skip
+            if c.rounds_per_call > 1:  # nothing active: compiles, runs no round
+                self.step_rounds(self.idle_rounds_inputs(mode), mode=mode)
         jax.block_until_ready(self.state)
 
 
@@ -120,10 +129,15 @@ class PagedSlotTable(SlotTable):
         if req in self.pool:
             self.pool.free(req)
 
-    def preempt(self) -> list[Request]:
-        """Grow every running request to pos + γ + 1 positions before a round; the preempted
-        ones (newest first) go back to the queue front to be resumed by recompute."""
-        needs = {r: r.pos + self.gamma + 1 for r in self.running()}
+    def preempt(self, rounds: int = 1) -> list[Request]:
+        """Grow every running request to pos + rounds·(γ + 1) positions (capped at its whole
+        length) before a call of `rounds` rounds; the preempted ones (newest first) go back to
+        the queue front to be resumed by recompute."""
+        g1 = self.gamma + 1
+        needs = {
+            r: min(r.pos + rounds * g1, len(r.prompt) + r.params.max_new_tokens + g1)
+            for r in self.running()
+        }
         victims = self.pool.reserve(needs)
         for v in victims:  # newest first: the oldest victim ends at the front
             self.owner[v.slot] = None

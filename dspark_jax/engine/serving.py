@@ -233,7 +233,8 @@ class ServingEngine:
                     if req.cancel_requested:
                         deltas.append(self._committer.finish(req, [], "cancelled"))
                 if self._paged:  # grow the running requests' pages; preempt if out of pages
-                    self.slots.preempt()
+                    k = self.config.rounds_per_call if self._runner.device_policy() else 1
+                    self.slots.preempt(k)
                 admitted = self.slots.admit()
             if admitted:
                 firsts = self._runner.prefill(admitted)
@@ -243,6 +244,9 @@ class ServingEngine:
 
                         admitted, firsts = split_resumed(admitted, firsts, self.slots)
                     deltas += self._committer.admitted(admitted, firsts)
+            if self._paged and self.config.rounds_per_call > 1:
+                with self._lock:  # the K rounds' pages of the requests admitted just now
+                    self.slots.preempt(k)
             running = self.slots.running()
             if running:
                 outs = self._runner.run(running, self.slots.conf)
