@@ -23,6 +23,7 @@ from dspark_jax.errors import ConfigError
 from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
 
 MODES = ("greedy", "sampled", "filtered")
+KV_LAYOUTS = ("slots", "paged")
 SAMPLING = {
     "greedy": SamplingConfig(greedy=True),
     "sampled": SamplingConfig(),
@@ -48,6 +49,9 @@ class EngineConfig:
     rounds_per_call: int = 1
     max_queue: int = 256
     root_seed: int = 0
+    kv_layout: str = "slots"  # "paged": K/V in page pools (engine.paged_engine, docs/PAGED_KV.md)
+    page_size: int = 16
+    num_pages: int = 0  # resolved by build (0: num_slots * max_len / page_size, rounded up)
 
     @classmethod
     def build(
@@ -64,6 +68,9 @@ class EngineConfig:
         rounds_per_call: int = 1,
         max_queue: int = 256,
         root_seed: int = 0,
+        kv_layout: str = "slots",
+        page_size: int = 16,
+        num_pages: int = 0,
     ) -> EngineConfig:
         """Checked against the target (ConfigError) and with every bucket tuple resolved."""
         if num_slots < 1 or max_len < 2:
@@ -77,6 +84,11 @@ class EngineConfig:
             raise ConfigError(f"rounds_per_call must be an integer >= 1, got {rounds_per_call!r}")
         if not set(modes) <= set(MODES) or not modes:
             raise ConfigError(f"modes must be a non-empty subset of {MODES}: {modes}")
+        if kv_layout not in KV_LAYOUTS:
+            raise ConfigError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+        if page_size < 1 or num_pages < 0:
+            raise ConfigError(f"page_size ({page_size}) must be >= 1 and num_pages >= 0")
+        num_pages = num_pages or -(-num_slots * max_len // page_size)
         g = dcfg.block_size
         top = num_slots * (g + 1)
         if token_buckets is None:
@@ -92,6 +104,9 @@ class EngineConfig:
             rounds_per_call=rounds_per_call,
             max_queue=max_queue,
             root_seed=root_seed,
+            kv_layout=kv_layout,
+            page_size=page_size,
+            num_pages=num_pages,
         )
 
     def for_models(self, tcfg, dcfg) -> EngineConfig:

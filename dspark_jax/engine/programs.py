@@ -74,10 +74,7 @@ class EnginePrograms:
 
     def __init__(self, tcfg, dcfg, tparams, dparams, config: EngineConfig, mesh=None):
         self.tcfg, self.dcfg, self.config, self.mesh = tcfg, dcfg, config, mesh
-        n, max_len = config.num_slots, config.max_len
-
-        def init():
-            return dev.init_state(tcfg, dcfg, n, max_len)
+        init = self._state_init()
 
         if mesh is None:
             state_sh = repl = jax.sharding.SingleDeviceSharding(_default_device())
@@ -100,8 +97,17 @@ class EnginePrograms:
         self.one_set = config.single_program and tensor == 1
         if mesh is None:  # one device: the programs as every such engine compiles them
             state_sh = repl = None
-        self._prefill, self._round, self._rounds = _jitted(state_sh, repl)
+        self._prefill, self._round, self._rounds = self._jit_programs(state_sh, repl)
         self._timer: Timer | None = None
+
+    def _state_init(self):
+        """The function that creates the state (a subclass's layout overrides it)."""
+        tcfg, dcfg, c = self.tcfg, self.dcfg, self.config
+        return lambda: dev.init_state(tcfg, dcfg, c.num_slots, c.max_len)
+
+    def _jit_programs(self, state_sh, repl):
+        """(prefill, round, rounds), jitted (a subclass's layout overrides it)."""
+        return _jitted(state_sh, repl)
 
     # ---- specs and inputs --------------------------------------------------------------------
 

@@ -100,13 +100,26 @@ class ServingEngine:
             config = config.for_models(tcfg, dcfg)
         tcfg, tparams, dparams = _engine_params(tcfg, tparams, dparams)
         self.config = config
-        self.programs = EnginePrograms(tcfg, dcfg, tparams, dparams, config, mesh)
-        self.slots = SlotTable(config.num_slots, config.gamma)
+        if config.kv_layout == "paged":  # K/V in page pools (engine.paged_engine)
+            from dspark_jax.engine import paged_engine
+
+            self.programs, self.slots = paged_engine.paged_objects(
+                tcfg, dcfg, tparams, dparams, config, mesh
+            )
+        else:
+            self.programs = EnginePrograms(tcfg, dcfg, tparams, dparams, config, mesh)
+            self.slots = SlotTable(config.num_slots, config.gamma)
+        self._paged = config.kv_layout == "paged"
         self._counters = EngineCounters(config.num_slots, config.gamma)
         self._committer = Committer(config.gamma, self.slots, self._counters,
                                     keep_conf=dcfg.kind == "dspark")  # fmt: skip
         sched = _scheduler(config, dcfg, policy, gamma, threshold, cost_profile, sts)
-        self._runner = RoundRunner(config, self.programs, sched)
+        if self._paged:
+            from dspark_jax.engine.paged_engine import PagedRunner
+
+            self._runner = PagedRunner(config, self.programs, sched)
+        else:
+            self._runner = RoundRunner(config, self.programs, sched)
         self._tally = CompileTally()  # compilations caused by this engine's device calls
         self._lock = threading.RLock()  # queue, requests, counters
         self._step_lock = threading.Lock()  # one step at a time
@@ -137,6 +150,11 @@ class ServingEngine:
         (`engine.compiles`, JAX's public compile events; programs another engine already
         compiled are cache hits, not counted)."""
         return self._tally.count
+
+    @property
+    def page_pool(self):
+        """The host `PagePool` with kv_layout="paged" (None with slots)."""
+        return self.slots.pool if self._paged else None
 
     def warmup(self) -> None:
         """Compile every (mode, prompt bucket) prefill and (mode, token bucket, cache bucket)
@@ -214,11 +232,21 @@ class ServingEngine:
                 for req in self.slots.running():
                     if req.cancel_requested:
                         deltas.append(self._committer.finish(req, [], "cancelled"))
+                if self._paged:  # grow the running requests' pages; preempt if out of pages
+                    k = self.config.rounds_per_call if self._runner.device_policy() else 1
+                    self.slots.preempt(k)
                 admitted = self.slots.admit()
             if admitted:
                 firsts = self._runner.prefill(admitted)
                 with self._lock:
+                    if self._paged:  # resumed requests emitted their anchor already
+                        from dspark_jax.engine.paged_engine import split_resumed
+
+                        admitted, firsts = split_resumed(admitted, firsts, self.slots)
                     deltas += self._committer.admitted(admitted, firsts)
+            if self._paged and self.config.rounds_per_call > 1:
+                with self._lock:  # the K rounds' pages of the requests admitted just now
+                    self.slots.preempt(k)
             running = self.slots.running()
             if running:
                 outs = self._runner.run(running, self.slots.conf)

@@ -101,6 +101,14 @@ def validate_request(prompt_ids, params, config, vocab: int) -> list[int]:
             f"γ+1 {config.gamma + 1}) but a slot holds max_len={config.max_len}; shorten the "
             "prompt or max_new_tokens"
         )
+    if getattr(config, "kv_layout", "slots") == "paged":
+        pages = -(-need // config.page_size)
+        if pages > config.num_pages:
+            raise RequestError(
+                f"request needs {pages} pages of {config.page_size} positions ({need} positions) "
+                f"but the page pool holds num_pages={config.num_pages}; shorten the prompt or "
+                "max_new_tokens"
+            )
     t, k, p, m = params.temperature, params.top_k, params.top_p, params.min_p
     if not (np.isfinite(t) and t >= 0):
         raise RequestError(f"temperature must be a finite number >= 0, got {t!r}")

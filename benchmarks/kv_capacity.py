@@ -1,0 +1,112 @@
+"""KV capacity: the serving engine on a paged KV cache against slots, at equal KV memory.
+
+Both engines hold the same number of K/V positions: the slot engine `--slots` slots of
+`--max-len` positions each, the paged engine a pool of `--slots * --max-len / --page` pages
+shared by `--paged-slots` rows. The workload is mostly short requests plus one long one (a
+prompt near max_len), all greedy, submitted at once; both engines run it to the end after a
+warm-up. Random weights (the tiny 4-layer target and a 1-layer DSpark drafter): acceptance is
+low, only memory, concurrency and throughput are compared.
+
+    python benchmarks/kv_capacity.py [--max-len 512] [--slots 2] [--paged-slots 8]
+                                     [--requests 12] [--page 16]
+
+Prints ONE JSON object: `config`, `slots` / `paged` (tokens, seconds, tokens_per_s,
+max_concurrent, retraces_after_warmup, and for paged preemptions, peak_used_pages,
+pages_leaked) and `summary` (concurrent_requests_paged_over_slots,
+tokens_per_s_paged_over_slots, batched_equals_serial: the paged engine's tokens, more requests
+batched, equal the slot engine's, whose tokens do not depend on batching (tests/test_engine.py),
+longest_prompt_served, pages_leaked, retraces_after_warmup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+
+from dspark_jax import drafters  # noqa: E402
+from dspark_jax.config import DrafterConfig  # noqa: E402
+from dspark_jax.engine import RequestParams, ServingEngine  # noqa: E402
+from dspark_jax.testing import random_params, tiny_target_config  # noqa: E402
+
+GAMMA = 4
+
+
+def _models(max_len):
+    tcfg = tiny_target_config("qwen2", vocab_size=256, max_position_embeddings=max(max_len, 512))
+    tp = random_params(tcfg, 0)
+    dcfg = DrafterConfig.dspark(tcfg, num_layers=1, block_size=GAMMA, mask_token_id=255,
+                                num_anchors=8)  # fmt: skip
+    return tcfg, tp, dcfg, drafters.init_params(dcfg, seed=1, target_params=tp)
+
+
+def _workload(n, max_len, max_new, rng):
+    """n - 1 short prompts (8..48 tokens) and one long prompt (max_len - max_new - γ - 1)."""
+    long = max_len - max_new - GAMMA - 1
+    lens = [int(x) for x in rng.integers(8, 49, n - 1)] + [long]
+    return [[int(t) for t in rng.integers(0, 250, m)] for m in lens]
+
+
+def _run(eng, prompts, max_new):
+    eng.warmup()
+    warm = eng.compilations
+    handles = [eng.submit(p, RequestParams(max_new, temperature=0.0, seed=0)) for p in prompts]
+    peak, t0 = 0, time.perf_counter()
+    while eng.has_work():
+        eng.step()
+        peak = max(peak, len(eng.slots.running()))
+    secs = time.perf_counter() - t0
+    outs = [h.result().tokens for h in handles]
+    n_tok = sum(len(o) for o in outs)
+    row = dict(tokens=n_tok, seconds=round(secs, 3), tokens_per_s=round(n_tok / secs, 2),
+               max_concurrent=peak, retraces_after_warmup=eng.compilations - warm)  # fmt: skip
+    pool = eng.page_pool
+    if pool is not None:
+        pool.check()
+        row.update(preemptions=pool.preemptions, peak_used_pages=pool.peak_used,
+                   pages_leaked=pool.used_pages, num_pages=pool.num_pages)  # fmt: skip
+    return row, outs
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--paged-slots", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--page", type=int, default=16)
+    a = ap.parse_args(argv)
+    tcfg, tp, dcfg, dp = _models(a.max_len)
+    prompts = _workload(a.requests, a.max_len, a.max_new, np.random.default_rng(0))
+    common = dict(max_len=a.max_len, prompt_buckets=(16, 64), token_buckets=(8, 16, 40),
+                  cache_buckets=(128, a.max_len), modes=("greedy",))  # fmt: skip
+    num_pages = a.slots * a.max_len // a.page  # equal KV memory
+    slots_eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=a.slots, **common)
+    paged_eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=a.paged_slots, kv_layout="paged",
+                              page_size=a.page, num_pages=num_pages, **common)  # fmt: skip
+    s_row, s_out = _run(slots_eng, prompts, a.max_new)
+    p_row, p_out = _run(paged_eng, prompts, a.max_new)
+    summary = dict(
+        concurrent_requests_paged_over_slots=round(p_row["max_concurrent"] / s_row["max_concurrent"], 3),
+        tokens_per_s_paged_over_slots=round(p_row["tokens_per_s"] / s_row["tokens_per_s"], 3),
+        batched_equals_serial=p_out == s_out,
+        longest_prompt_served=max(len(p) for p, o in zip(prompts, p_out) if len(o) == a.max_new),
+        pages_leaked=p_row["pages_leaked"],
+        retraces_after_warmup=s_row["retraces_after_warmup"] + p_row["retraces_after_warmup"],
+    )  # fmt: skip
+    config = dict(vars(a), kv_positions=a.slots * a.max_len, num_pages=num_pages, gamma=GAMMA,
+                  target="tiny qwen2 (4 layers, 64 wide), random", platform=platform.machine())  # fmt: skip
+    print(json.dumps(dict(config=config, slots=s_row, paged=p_row, summary=summary)))
+
+
+if __name__ == "__main__":
+    main()

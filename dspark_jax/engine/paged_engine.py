@@ -1,0 +1,216 @@
+"""The serving engine's objects for `EngineConfig(kv_layout="paged")` (docs/PAGED_KV.md).
+
+`ServingEngine` builds these instead of the slot-layout ones when the config asks for pages:
+
+  PagedPrograms   `EnginePrograms` on a `paged_device.PagedState` (target and drafter K/V in
+                  page pools); each call's block tables come from `tables_fn(width)`; K > 1
+                  rounds per call run `paged_rounds` (tables fixed for the call);
+  PagedSlotTable  `SlotTable` plus the host `PagePool`: FIFO admission while the pool holds the
+                  queue head's prompt + γ + 1 positions, pages freed at release (finish /
+                  cancel), `preempt()` before each round (growth to pos + γ + 1, preemption by
+                  recompute of the most recently admitted requests);
+  PagedRunner     `RoundRunner` whose prefill passes the slot's block table and resumes a
+                  preempted request.
+
+Preemption by recompute: the victim loses its slot and pages and goes back to the queue front
+with prompt + its tokens but the last as the prompt to prefill, the last token as its anchor and
+its round counter (`Request.resume`), so its next proposal is keyed as before and its tokens do
+not change (up to float reassociation between the prefill and the verify forwards that first
+wrote those positions). Only rows (slots) and the pools' pages are fixed at start-up.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from dspark_jax.buckets import bucket_up
+from dspark_jax.engine import paged_device as pdev
+from dspark_jax.engine.config import sampling_rows
+from dspark_jax.engine.device import PrefillInputs
+from dspark_jax.engine.flat import flat_jit
+from dspark_jax.engine.pages import PagePool
+from dspark_jax.engine.programs import EnginePrograms
+from dspark_jax.engine.requests import RequestParams
+from dspark_jax.engine.slots import Request, SlotTable
+from dspark_jax.engine.stepping import RoundRunner
+from dspark_jax.errors import ConfigError
+from dspark_jax.xla_cpu import engine_compiler_options
+
+
+def _width(cache_len: int, page: int) -> int:
+    return -(-int(cache_len) // page)
+
+
+class PagedPrograms(EnginePrograms):
+    """The engine's programs on page pools; `tables_fn(width)` -> [N, width] int32 tables."""
+
+    def __init__(self, tcfg, dcfg, tparams, dparams, config, mesh=None):
+        if mesh is not None:
+            raise ConfigError("kv_layout='paged' runs on one device (mesh=None) for now")
+        self.tables_fn = lambda width: np.zeros((config.num_slots, width), np.int32)
+        super().__init__(tcfg, dcfg, tparams, dparams, config, mesh)
+        self.one_set = True  # the paged forward writes then reads (one key set) always
+
+    def _state_init(self):
+        tcfg, dcfg, c = self.tcfg, self.dcfg, self.config
+        return lambda: pdev.init_paged_state(tcfg, dcfg, c.num_slots, c.num_pages, c.page_size)
+
+    def _jit_programs(self, state_sh, repl):
+        kw = dict(static_argnums=(0,), donate_argnums=(3,),
+                  compiler_options=engine_compiler_options())  # fmt: skip
+        from dspark_jax.engine.paged_rounds import paged_rounds
+
+        return (flat_jit(pdev.paged_prefill_chunk, **kw), flat_jit(pdev.paged_round, **kw),
+                flat_jit(paged_rounds, **kw))  # fmt: skip
+
+    def round(self, state, inputs, *, mode: str, num_tokens: int, cache_len: int):
+        """(state, RoundOut) after one round; `inputs` a `device.RoundInputs`, the tables added
+        here (width: the cache bucket's pages)."""
+        tables = self.tables_fn(_width(cache_len, self.config.page_size))
+        spec = self.round_spec(mode, num_tokens, cache_len)
+        inp = pdev.PagedRoundInputs(inputs, tables)
+        return self._call("round", self._round, spec, state, inp)
+
+    def rounds(self, state, inputs, *, mode: str):
+        """(state, RoundsOut) after up to K device-resident rounds, the tables at full width
+        (the host reserved the K rounds' pages: `PagedSlotTable.preempt(rounds=K)`)."""
+        tables = self.tables_fn(_width(self.config.max_len, self.config.page_size))
+        return self._call("rounds", self._rounds, self.rounds_spec(mode), state, (inputs, tables))
+
+    def warmup(self) -> None:
+        """Every (mode, chunk, width) prefill and (mode, T, width) round, nothing active (a
+        warm-up prefill writes page 0's first position, which its owner writes before reading)."""
+        c = self.config
+        for mode in c.modes:
+            sp1 = sampling_rows([RequestParams(1)], mode)
+            for chunk, s in c.prefill_shapes():
+                z = np.zeros(chunk, np.int32)
+                base = PrefillInputs(np.int32(0), z, z, np.int32(0), np.int32(1), np.bool_(True),
+                                     np.uint32(0), sp1, self.key)  # fmt: skip
+                table = np.zeros((1, _width(s, c.page_size)), np.int32)
+                inp = pdev.PagedPrefillInputs(base, table, np.int32(-1), np.int32(0))
+                self.step_prefill(inp, mode=mode, cache_len=s)
+            for t in c.token_buckets:
+                for s in c.cache_buckets:
+                    self.step_round(self.idle_round_inputs(mode), mode=mode, num_tokens=t,
+                                    cache_len=s)  # fmt: skip
+            if c.rounds_per_call > 1:  # nothing active: compiles, runs no round
+                self.step_rounds(self.idle_rounds_inputs(mode), mode=mode)
+        jax.block_until_ready(self.state)
+
+
+class PagedSlotTable(SlotTable):
+    """Slots plus the page pool; a request is admitted when a slot is free and the pool holds its
+    (possibly resumed) prompt + γ + 1 positions."""
+
+    def __init__(self, num_slots: int, gamma: int, pool: PagePool):
+        super().__init__(num_slots, gamma)
+        self.pool, self.gamma = pool, gamma
+
+    def admit(self) -> list[Request]:
+        out = []
+        for s, r in enumerate(self.owner):
+            if r is not None or not self.queue:
+                continue
+            req = self.queue[0]
+            n = len(prompt_of(req))
+            if not self.pool.can_admit(n + self.gamma + 1):
+                break  # FIFO: the head waits for pages
+            self.queue.popleft()
+            self.pool.admit(req, n + self.gamma + 1)
+            req.slot, req.pos = s, n
+            self.owner[s] = req
+            out.append(req)
+        return out
+
+    def release(self, req: Request) -> None:
+        super().release(req)
+        if req in self.pool:
+            self.pool.free(req)
+
+    def preempt(self, rounds: int = 1) -> list[Request]:
+        """Grow every running request to pos + rounds·(γ + 1) positions (capped at its whole
+        length) before a call of `rounds` rounds; the preempted ones (newest first) go back to
+        the queue front to be resumed by recompute."""
+        g1 = self.gamma + 1
+        needs = {
+            r: min(r.pos + rounds * g1, len(r.prompt) + r.params.max_new_tokens + g1)
+            for r in self.running()
+        }
+        victims = self.pool.reserve(needs)
+        for v in victims:  # newest first: the oldest victim ends at the front
+            self.owner[v.slot] = None
+            v.slot = None
+            v.resume = (v.prompt + v.tokens[:-1], v.tokens[-1], len(v.num_accepted))
+            self.queue.appendleft(v)
+        return victims
+
+    def tables(self, width: int) -> np.ndarray:
+        """[N, width] int32: each slot's block table, cut or padded (page 0) to `width`
+        (positions past a cache bucket are never read or written in that call)."""
+        out = np.zeros((len(self.owner), width), np.int32)
+        for s, r in enumerate(self.owner):
+            if r is not None:
+                t = self.pool.table(r)[:width]
+                out[s, : len(t)] = t
+        return out
+
+
+def prompt_of(req: Request) -> list[int]:
+    """The tokens to prefill: the prompt, or for a resumed request prompt + tokens[:-1]."""
+    resume = getattr(req, "resume", None)
+    return req.prompt if resume is None else resume[0]
+
+
+class PagedRunner(RoundRunner):
+    """`RoundRunner` whose prefill writes into the request's pages and resumes preempted ones."""
+
+    def _prefill_one(self, req: Request, mode: str, sp1):
+        c = self.config
+        p = prompt_of(req)
+        resume = getattr(req, "resume", None)
+        anchor, rounds = (-1, 0) if resume is None else resume[1:]
+        table = self.programs.tables_fn  # the slot table's, set by the engine
+        start, big = 0, c.prompt_buckets[-1]
+        while start < len(p):
+            n = min(big, len(p) - start)
+            size = bucket_up(n, c.prompt_buckets)
+            toks = np.zeros(size, np.int32)
+            toks[:n] = p[start : start + n]
+            nxt = np.zeros(size, np.int32)
+            follow = p[start + 1 : start + n + 1]
+            nxt[: len(follow)] = follow
+            last = start + n == len(p)
+            base = PrefillInputs(np.int32(req.slot), toks, nxt, np.int32(start), np.int32(n),
+                                 np.bool_(last), np.uint32(req.seed), sp1,
+                                 self.programs.key)  # fmt: skip
+            cache_len = c.prefill_cache_len(start + size)
+            tab = table(_width(cache_len, c.page_size))[req.slot : req.slot + 1]
+            inp = pdev.PagedPrefillInputs(base, tab, np.int32(anchor), np.int32(rounds))
+            first, conf = self.programs.step_prefill(inp, mode=mode, cache_len=cache_len)
+            start += n
+        return first, conf
+
+
+def paged_objects(tcfg, dcfg, tparams, dparams, config, mesh):
+    """(programs, slot table) for a paged engine, wired together."""
+    pool = PagePool(config.num_pages, config.page_size)
+    programs = PagedPrograms(tcfg, dcfg, tparams, dparams, config, mesh)
+    slots = PagedSlotTable(config.num_slots, config.gamma, pool)
+    programs.tables_fn = slots.tables
+    return programs, slots
+
+
+def split_resumed(admitted: list[Request], firsts, slots: SlotTable):
+    """(new requests, their firsts): resumed ones only take their first block's confidences
+    (their anchor was emitted before the preemption) and lose the resume marker."""
+    new, new_firsts = [], []
+    for req, (first, conf) in zip(admitted, firsts):
+        if getattr(req, "resume", None) is None:
+            new.append(req)
+            new_firsts.append((first, conf))
+        else:
+            slots.conf[req.slot] = conf
+            req.resume = None
+    return new, new_firsts
