@@ -150,7 +150,23 @@ def param_shardings(params: nnx.State, mesh: Mesh, rules: dict | None = None) ->
 
 def shard_params(params: nnx.State, mesh: Mesh, rules: dict | None = None) -> nnx.State:
     """`params` placed on `mesh` by the logical-axis table (a copy; the input is not donated)."""
-    return jax.device_put(params, param_shardings(params, mesh, rules))
+    return put(params, param_shardings(params, mesh, rules))
+
+
+def put(tree, shardings):
+    """`jax.device_put(tree, shardings)` that also works when the shardings span several
+    processes and a value sits on this process's devices only (a loaded checkpoint): every
+    process holds the whole value, so each places its own shards from a host copy (a
+    device-to-device transfer would cross hosts, which the CPU and GPU backends refuse)."""
+
+    def one(x, sh):
+        local = isinstance(x, jax.Array) and x.is_fully_addressable
+        if local and not sh.is_fully_addressable:
+            x = np.asarray(x)
+        return x
+
+    host = jax.tree.map(one, tree, shardings)
+    return jax.device_put(host, shardings)
 
 
 def batch_sharding(mesh: Mesh, shape: Sequence[int] | int = 2) -> NamedSharding:
@@ -188,7 +204,7 @@ def cache_shardings(cache, mesh: Mesh, rules: dict | None = None):
 
 def shard_cache(cache, mesh: Mesh, rules: dict | None = None):
     """`cache` placed on `mesh` by `cache_shardings`."""
-    return jax.device_put(cache, cache_shardings(cache, mesh, rules))
+    return put(cache, cache_shardings(cache, mesh, rules))
 
 
 def local_mesh(config: MeshConfig | None = None) -> Mesh:

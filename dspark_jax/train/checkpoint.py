@@ -81,6 +81,15 @@ def abstract_like(tree):
     return jax.tree.map(one, tree)
 
 
+def _barrier_prefix(directory: Path) -> str:
+    """The key of this checkpoint directory's cross-process barriers. Orbax names its barriers by
+    step alone, so two managers saving the same step at once (a run's `checkpoints/` and `best/`
+    at an evaluation step) joined one barrier and the multi-process save failed ("Barrier
+    _async_commit_complete.6 is already ongoing"). The last path components are the same on every
+    host even where the run directory is mounted at different places."""
+    return "-".join(directory.parts[-3:])
+
+
 class Checkpointer:
     """Save and restore `(state pytree, meta dict)` per step under `directory`.
 
@@ -95,6 +104,9 @@ class Checkpointer:
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
             create=True,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=_barrier_prefix(self.directory)
+            ),
         )
         self._mgr = ocp.CheckpointManager(self.directory, item_names=_ITEMS, options=options)
 
