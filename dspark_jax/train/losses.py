@@ -73,6 +73,7 @@ class LossWeights(NamedTuple):
     ce, l1, conf: α_ce, α_l1, α_conf fp32 scalars (REFERENCE §4.2; Eagle3 reads none of them).
     position: [γ] fp32 — DSpark / DFlash: the slot weights w_k = exp(−k/g) (§4.1); Eagle3: the
       TTT step weights decay^k (§5.2).
+    A sweep: `LossWeights.stack([LossWeights.of(cfg.replace(loss_decay_gamma=g)) for g in gs])`.
     """
 
     ce: jax.Array
@@ -126,8 +127,9 @@ def position_weights(cfg: DrafterConfig) -> np.ndarray:
     """The per-slot weights [γ] fp32 (numpy). DSpark / DFlash: w_k = exp(−k/g), k = 0..γ−1
     (g = cfg.decay_g; REFERENCE §4.1); Eagle3: step_loss_decay^k (§5.2).
 
-    Computed on the host and correctly rounded, the values XLA folds the same formula to at
-    compile time (its run-time exp can be 1 ulp off), so every machine weighs alike.
+    Computed on the host (float64, rounded once): the same on every machine and in every
+    program, where XLA's in-graph exp can differ by 1 ulp with the fusion around it. For the
+    default g = 4 they are the weights the former in-graph formula gave, bit for bit (tested).
     """
     k = np.arange(cfg.block_size)
     if cfg.kind == "eagle3":
