@@ -15,8 +15,8 @@ from dspark_jax.config import DrafterConfig, RopeScaling, TargetConfig
 from dspark_jax.demo.corpus import sample_text
 from dspark_jax.engine.compiles import CompileCounter as CompileCounter  # the retrace guard
 from dspark_jax.models.hf import load_tokenizer
-from dspark_jax.models.transformer import forward_jit, init_params
-from dspark_jax.train import tokenizer
+from dspark_jax.models.transformer import init_params
+from dspark_jax.train import batches, tokenizer
 
 
 def tiny_target_config(architecture: str = "qwen3", **overrides) -> TargetConfig:
@@ -92,14 +92,12 @@ def tiny_drafter_config(kind: str = "dspark", target=None, **overrides):
 def drafter_batch(
     target_cfg, target_params, batch: int = 2, length: int = 24, seed: int = 1, prompt: int = 5
 ):
-    """A loss_fn batch from the target itself: random tokens, loss mask off for the first
-    `prompt` tokens, online target features and final hidden state."""
+    """A loss_fn batch from the target itself (`train.batches.drafter_batch`): random tokens,
+    loss mask off for the first `prompt` tokens."""
     ids = random_tokens(seed, (batch, length), target_cfg.vocab_size - 1)
-    out, _ = forward_jit(target_cfg, target_params, ids, positions_like(ids), compute_logits=False)
-    mask = jnp.ones((batch, length), jnp.float32).at[:, :prompt].set(0.0)
-    return dict(
-        input_ids=ids, loss_mask=mask, target_features=out.features, target_hidden=out.hidden
-    )
+    mask = np.ones((batch, length), np.uint8)
+    mask[:, :prompt] = 0
+    return batches.drafter_batch(target_cfg, target_params, ids, mask)
 
 
 def random_params(cfg: TargetConfig, seed: int):

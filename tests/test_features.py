@@ -15,7 +15,7 @@ from toy_train import base_config, make_samples, tiny_target, toy_loss, toy_para
 
 from dspark_jax.errors import ConfigError, FeatureCacheError
 from dspark_jax.testing import tiny_target_config
-from dspark_jax.train.features import FeatureCacheReader, _features_jit, write_feature_cache
+from dspark_jax.train.features import FeatureCacheReader, target_features_jit, write_feature_cache
 from dspark_jax.train.loader import MicroBatch, load_rows
 
 
@@ -39,7 +39,9 @@ def test_cache_holds_the_target_features_in_its_dtype(tmp_path):
         assert len(r) == 5 and r.feature_size == tcfg.feature_size
         np.testing.assert_array_equal(r.lengths, [len(s) for s in samples])
         rows = load_rows(r, mb)
-        f, h = _features_jit(tcfg, tparams, jnp.asarray(rows["input_ids"]))  # the writer's shape
+        f, h = target_features_jit(
+            tcfg, tparams, jnp.asarray(rows["input_ids"])
+        )  # the writer's shape
         for i in mb.indices:
             got, n = r.get(i), len(samples[i])
             assert got["target_features"].dtype == np_dtype and len(got["target_hidden"]) == n
@@ -60,7 +62,7 @@ def test_online_and_offline_give_the_same_loss(tmp_path):
     mb = MicroBatch(np.arange(2), 32)
     rows = load_rows(_write(tmp_path / "f32", samples, chunk_size=2), mb)
     ids = jnp.asarray(rows["input_ids"])
-    f_on, h_on = _features_jit(tcfg, tparams, ids)  # the online computation, jitted
+    f_on, h_on = target_features_jit(tcfg, tparams, ids)  # the online computation, jitted
     key = jax.random.key(0)
     jloss = jax.jit(toy_loss)
 

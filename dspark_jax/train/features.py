@@ -80,7 +80,8 @@ def target_features(
     return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.hidden)
 
 
-_features_jit = jax.jit(target_features, static_argnums=0)
+# `target_features` jitted (static: the config); the feature writer's and `train.batches`'
+target_features_jit = jax.jit(target_features, static_argnums=0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -267,7 +268,7 @@ def _chunk_features(target_cfg, target_params, chunk, batch_size: int, buckets, 
     for b in range(0, len(chunk), batch_size):
         part = chunk[b : b + batch_size]
         batch = pad_to_bucket(part, buckets, batch_size=batch_size)
-        f, h = _features_jit(target_cfg, target_params, jnp.asarray(batch.input_ids))
+        f, h = target_features_jit(target_cfg, target_params, jnp.asarray(batch.input_ids))
         f = np.asarray(jax.device_get(f.astype(jnp.float32))).astype(np_dtype)
         h = np.asarray(jax.device_get(h.astype(jnp.float32))).astype(np_dtype)
         for r, s in enumerate(part):

@@ -2,10 +2,11 @@
 
 The trainer's contract is one function:
 
-    loss, metrics = loss_fn(cfg, trainable, frozen, batch, rng)
+    loss, metrics = loss_fn(cfg, trainable, frozen, batch, rng, weights=None)
 
   cfg        DrafterConfig — static (hashable; `jax.jit(loss_fn, static_argnums=0)` or
-             `functools.partial(loss_fn, cfg)`).
+             `functools.partial(loss_fn, cfg)`). It fixes the structure: which terms exist
+             (a weight α > 0 in `cfg`), γ, the model.
   trainable  nnx.State of nnx.Param — differentiate w.r.t. this (`jax.value_and_grad(loss_fn,
              argnums=1, has_aux=True)`).
   frozen     nnx.State of FrozenParam — embed_tokens [V, H], lm_head [H, V]; no gradient.
@@ -20,6 +21,10 @@ The trainer's contract is one function:
              only at the positions the loss needs (REFERENCE §1.4, §2.8), never stored.
   rng        a jax PRNG key: anchor sampling (DSpark/DFlash; fresh per step — e.g.
              fold_in(key, step)). Eagle3 ignores it.
+  weights    `LossWeights` (arrays: α's and per-position weights), or None = `LossWeights.of(cfg)`.
+             Traced, not static: other values re-use the compiled loss, and `jax.vmap` maps a
+             stack of settings (`LossWeights.stack`). A term switched off in `cfg` (α = 0, e.g.
+             DFlash's L1) stays off whatever its weight here — switch it on in `cfg` to sweep it.
 
 Returns `loss` (fp32 scalar) and `metrics`, a flat dict of fp32 arrays. Keys ending in `_num` /
 `_den` are additive across batches and devices (sum both, then divide) — use them for held-out
@@ -43,8 +48,11 @@ with equal weight is the trainer's job. Eagle3 is normalised per sequence as the
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from dspark_jax.config import DrafterConfig
@@ -59,23 +67,75 @@ Batch = dict[str, jax.Array]
 EPS = 1e-6
 
 
+class LossWeights(NamedTuple):
+    """The loss's numeric settings as arrays (a pytree: jit arguments, vmappable).
+
+    ce, l1, conf: α_ce, α_l1, α_conf fp32 scalars (REFERENCE §4.2; Eagle3 reads none of them).
+    position: [γ] fp32 — DSpark / DFlash: the slot weights w_k = exp(−k/g) (§4.1); Eagle3: the
+      TTT step weights decay^k (§5.2).
+    A sweep: `LossWeights.stack([LossWeights.of(cfg.replace(loss_decay_gamma=g)) for g in gs])`.
+    """
+
+    ce: jax.Array
+    l1: jax.Array
+    conf: jax.Array
+    position: jax.Array
+
+    @classmethod
+    def of(cls, cfg: DrafterConfig) -> LossWeights:
+        """The settings `cfg` holds (numpy fp32, so they enter a jit as arguments or, closed
+        over, as the same constants the loss always used)."""
+        f32 = np.float32
+        return cls(f32(cfg.ce_alpha), f32(cfg.l1_alpha), f32(cfg.conf_alpha), position_weights(cfg))
+
+    @classmethod
+    def stack(cls, settings) -> LossWeights:
+        """Settings stacked on a new leading axis, for `jax.vmap(..., in_axes=...)`."""
+        return jax.tree.map(lambda *x: jnp.stack(x), *settings)
+
+
+def loss_structure(cfg: DrafterConfig) -> DrafterConfig:
+    """`cfg` with its loss weights replaced by fixed stand-ins (1 for a term that is on, 0 for
+    one that is off, the default decays): a static key shared by configs that differ only in
+    weight values. Pair it with `LossWeights.of(cfg)` — the real values come from there."""
+    on = {k: float(getattr(cfg, k) > 0) for k in ("ce_alpha", "l1_alpha", "conf_alpha")}
+    return cfg.replace(**on, loss_decay_gamma=4.0, step_loss_decay=0.8)
+
+
 def loss_fn(
     cfg: DrafterConfig,
     trainable,
     frozen,
     batch: Batch,
     rng: jax.Array,
+    weights: LossWeights | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The drafter's training loss for `cfg.kind` (see the module docstring for the contract)."""
     _check_batch(cfg, batch)
+    weights = LossWeights.of(cfg) if weights is None else weights
+    if np.shape(weights.position) != (cfg.block_size,):
+        raise ValueError(
+            f"weights.position has shape {np.shape(weights.position)}, expected "
+            f"({cfg.block_size},) (one weight per draft slot) — build it with LossWeights.of(cfg)"
+        )
     if cfg.kind == "eagle3":
-        return eagle3_loss(cfg, trainable, frozen, batch)
-    return dspark_loss(cfg, trainable, frozen, batch, rng)
+        return eagle3_loss(cfg, trainable, frozen, batch, weights)
+    return dspark_loss(cfg, trainable, frozen, batch, rng, weights)
 
 
-def position_weights(cfg: DrafterConfig) -> jax.Array:
-    """w_k = exp(−k / g), k = 0..γ−1 [γ] fp32 (g = cfg.decay_g; REFERENCE §4.1)."""
-    return jnp.exp(-jnp.arange(cfg.block_size, dtype=jnp.float32) / cfg.decay_g)
+def position_weights(cfg: DrafterConfig) -> np.ndarray:
+    """The per-slot weights [γ] fp32 (numpy). DSpark / DFlash: w_k = exp(−k/g), k = 0..γ−1
+    (g = cfg.decay_g; REFERENCE §4.1); Eagle3: step_loss_decay^k (§5.2).
+
+    Computed on the host (float64, rounded once): the same on every machine and in every
+    program, where XLA's in-graph exp can differ by 1 ulp with the fusion around it. For the
+    default g = 4 they are the weights the former in-graph formula gave, bit for bit (tested).
+    """
+    k = np.arange(cfg.block_size)
+    if cfg.kind == "eagle3":
+        return np.array([cfg.step_loss_decay**i for i in k], np.float32)
+    x = (-k.astype(np.float32) / np.float32(cfg.decay_g)).astype(np.float64)
+    return np.exp(x).astype(np.float32)
 
 
 def _check_batch(cfg: DrafterConfig, batch: Batch) -> None:
@@ -170,10 +230,12 @@ def block_terms(
     conf_BxNxG: jax.Array | None,
     target_logits_BxNxGxV: jax.Array,
     blocks: AnchorBlocks,
+    weights: LossWeights | None = None,
 ) -> dict[str, jax.Array]:
     """Additive loss numerators/denominators and metric sums for a set of blocks (fp32).
 
-    logits: corrected draft logits (teacher-forced); target logits: no gradient. The TV-based
+    logits: corrected draft logits (teacher-forced); target logits: no gradient; `weights`:
+    its `position` weighs the slots (None = `LossWeights.of(cfg)`). The TV-based
     confidence label c* = clip(1 − ½‖p_d − p_t‖₁, 0, 1) is detached; the L1 gradient flows only
     through p_d.
     """
@@ -181,7 +243,8 @@ def block_terms(
     p_t = jax.nn.softmax(jax.lax.stop_gradient(target_logits_BxNxGxV).astype(f32), axis=-1)
     ce, l1 = ce_and_l1(logits_BxNxGxV.astype(f32), p_t, blocks.target_ids)
     mask = blocks.eval_mask.astype(f32)  # [B, N, γ]
-    w = position_weights(cfg)[None, None, :] * mask
+    pos = (LossWeights.of(cfg) if weights is None else weights).position
+    w = jnp.asarray(pos, f32)[None, None, :] * mask
     acc = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))  # 1 − TV = c*
     den = w.sum()
     t = {
@@ -222,7 +285,7 @@ def _blocks_chunked(blocks: AnchorBlocks, chunk: int) -> AnchorBlocks:
     return AnchorBlocks(*(split(x) for x in blocks))
 
 
-def dspark_loss(cfg, trainable, frozen, batch: Batch, rng) -> tuple[jax.Array, dict]:
+def dspark_loss(cfg, trainable, frozen, batch: Batch, rng, weights=None) -> tuple[jax.Array, dict]:
     """DSpark / DFlash: α_ce·CE + α_l1·L1 + α_conf·BCE, position-weighted means (REFERENCE §4)."""
     model = build(cfg, DrafterParams(trainable, frozen))
     ids = batch["input_ids"].astype(jnp.int32)
@@ -239,28 +302,32 @@ def dspark_loss(cfg, trainable, frozen, batch: Batch, rng) -> tuple[jax.Array, d
         out = teacher_forced(model, z, blk.prev_ids)
         th = jax.vmap(lambda h, p: h[p])(hidden, blk.target_pos)  # [B, n, γ, H]
         t_logits = jax.lax.stop_gradient(lm_logits(lm_head, th.astype(lm_head.dtype)))
-        return block_terms(cfg, out.logits, out.conf_logits, t_logits, blk)
+        return block_terms(cfg, out.logits, out.conf_logits, t_logits, blk, weights)
 
     if cfg.anchor_chunk and cfg.anchor_chunk < cfg.num_anchors:
         per_chunk = jax.lax.map(jax.checkpoint(terms), _blocks_chunked(blocks, cfg.anchor_chunk))
         t = jax.tree.map(lambda x: x.sum(0), per_chunk)
     else:
         t = terms(blocks)
-    return combine_terms(cfg, t)
+    return combine_terms(cfg, t, weights)
 
 
-def combine_terms(cfg: DrafterConfig, t: dict) -> tuple[jax.Array, dict]:
+def combine_terms(
+    cfg: DrafterConfig, t: dict, weights: LossWeights | None = None
+) -> tuple[jax.Array, dict]:
     """(loss, metrics) from summed `block_terms` (sum them over micro-batches or devices first
-    to get one weighted mean over all of them)."""
+    to get one weighted mean over all of them). The terms `cfg` switches on (α > 0) are
+    weighted by `weights` (None = `LossWeights.of(cfg)`)."""
+    a = LossWeights.of(cfg) if weights is None else weights
     zero = jnp.zeros((), jnp.float32)
     ce = t["ce_num"] / (t["ce_den"] + EPS)
     l1 = t["l1_num"] / (t["l1_den"] + EPS)
     bce = t["bce_num"] / (t["bce_den"] + EPS) if "bce_num" in t else zero
-    loss = cfg.ce_alpha * ce
+    loss = a.ce * ce
     if cfg.l1_alpha > 0:
-        loss = loss + cfg.l1_alpha * l1
+        loss = loss + a.l1 * l1
     if "bce_num" in t and cfg.conf_alpha > 0:
-        loss = loss + cfg.conf_alpha * bce
+        loss = loss + a.conf * bce
     m = {k: jax.lax.stop_gradient(v) for k, v in t.items()}
     m.update(
         loss=jax.lax.stop_gradient(loss),
@@ -280,13 +347,15 @@ def combine_terms(cfg: DrafterConfig, t: dict) -> tuple[jax.Array, dict]:
 # Eagle3 (REFERENCE §5.2)
 
 
-def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
-    """TTT soft-label CE: Σ_k 0.8^k mean_b [Σ_t M^k_bt·CE(P^k_bt, q^k_bt) / T_b], T_b the real
+def eagle3_loss(cfg, trainable, frozen, batch: Batch, weights=None) -> tuple[jax.Array, dict]:
+    """TTT soft-label CE: Σ_k w_k mean_b [Σ_t M^k_bt·CE(P^k_bt, q^k_bt) / T_b], T_b the real
     length of sequence b (REFERENCE §5.2: per-sequence "local_mean", equal weight per sequence).
 
     P^k_t = softmax(lm_head(target_hidden[t+k+1])), uniform past the end (never supervised);
-    M^0 = loss_mask with each row's last real token cleared, M^k_t = M^0_{t+k}.
+    M^0 = loss_mask with each row's last real token cleared, M^k_t = M^0_{t+k}; w_k =
+    `weights.position[k]` (default step_loss_decay^k = 0.8^k).
     """
+    step_w = (LossWeights.of(cfg) if weights is None else weights).position
     f32 = jnp.float32
     model = build(cfg, DrafterParams(trainable, frozen))
     ids = batch["input_ids"].astype(jnp.int32)
@@ -318,7 +387,7 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch) -> tuple[jax.Array, dict]:
         mk = shift_left(lm, k)
         ce, l1 = ce_and_l1(logits, p_t)  # soft-label CE; L1 only for the (detached) metric
         step = ((mk * ce).sum(1) * inv_len).sum() / n_rows
-        total = total + (cfg.step_loss_decay**k) * step
+        total = total + step_w[k] * step
         ce_k.append(step)
         acc = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
         hit = (jnp.argmax(logits, -1) == shift_left(top_all, k + 1)).astype(f32)
@@ -359,12 +428,14 @@ simulated_tau = block_tau  # τ per block [B] (REFERENCE §4.5), owned by spec.m
 
 __all__ = [
     "EPS",
+    "LossWeights",
     "block_terms",
     "ce_and_l1",
     "combine_terms",
     "dspark_loss",
     "eagle3_loss",
     "loss_fn",
+    "loss_structure",
     "position_weights",
     "simulated_tau",
 ]

@@ -14,7 +14,9 @@ batches and checks the batch sizes against the mesh; `device_batch` assembles a 
 the rows each process holds.
 
 The loss contract (`dspark_jax.train.losses`): `loss_fn(trainable, frozen, batch, rng) -> (loss,
-metrics)`; `batch` holds `input_ids`, `loss_mask`, `attention_mask` [B, L] and `target_features`
+metrics)`, or `loss_fn(trainable, frozen, batch, rng, loss_weights)` when the Trainer is given
+`loss_weights` (a pytree of arrays, e.g. `losses.LossWeights`: an argument of the steps, not a
+static, so other values re-use the compiled steps); `batch` holds `input_ids`, `loss_mask`, `attention_mask` [B, L] and `target_features`
 [B, L, m*H], `target_hidden` [B, L, H] in the compute dtype. Metric keys ending in `_num` / `_den`
 are summed over micro-batches, the others averaged.
 """
@@ -137,22 +139,38 @@ def _loss_batch(statics: StepStatics, target_params, batch):
     }
 
 
+def _call_loss(statics, trainable, frozen, batch, rng, loss_weights):
+    args = () if loss_weights is None else (loss_weights,)
+    return statics.loss.fn(cast_floats(trainable, statics.dtype), frozen, batch, rng, *args)
+
+
 def _micro_rng(base_key, step, micro):
     return jax.random.fold_in(jax.random.fold_in(base_key, step), micro)
 
 
 def train_micro_step(
-    statics, trainable, frozen, target_params, grad_acc, metric_acc, batch, base_key, step, micro
+    statics,
+    trainable,
+    frozen,
+    target_params,
+    grad_acc,
+    metric_acc,
+    batch,
+    base_key,
+    step,
+    micro,
+    loss_weights=None,
 ):
     """One micro-batch: features, loss, gradient; adds the fp32 gradient and metrics into the
     (donated) accumulators. Static: `statics` (`StepStatics`) and the batch shape [B, L] (one
     compilation per bucket). Arrays: everything else (`step`, `micro` int32 scalars select the
-    loss RNG: fold_in(fold_in(base_key, step), micro))."""
+    loss RNG: fold_in(fold_in(base_key, step), micro); `loss_weights`, None or a pytree the
+    loss takes as its last argument)."""
     lb = _loss_batch(statics, target_params, batch)
     rng = _micro_rng(base_key, step, micro)
 
     def f(tr):
-        return statics.loss.fn(cast_floats(tr, statics.dtype), frozen, lb, rng)
+        return _call_loss(statics, tr, frozen, lb, rng, loss_weights)
 
     (loss, metrics), grads = jax.value_and_grad(f, has_aux=True)(trainable)
     grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
@@ -181,23 +199,24 @@ def train_apply_step(statics, trainable, opt_state, grad_acc, metric_acc, step):
     return trainable, opt_state, zero(grad_acc), zero(metric_acc), metrics
 
 
-def eval_step(statics, trainable, frozen, target_params, batch, base_key, index):
+def eval_step(statics, trainable, frozen, target_params, batch, base_key, index, loss_weights=None):
     """Loss metrics of one held-out batch (no gradient). Static: `statics`, batch shape."""
     lb = _loss_batch(statics, target_params, batch)
     rng = jax.random.fold_in(jax.random.fold_in(base_key, EVAL_STREAM), index)
-    loss, metrics = statics.loss.fn(cast_floats(trainable, statics.dtype), frozen, lb, rng)
+    loss, metrics = _call_loss(statics, trainable, frozen, lb, rng, loss_weights)
     return dict(metrics, loss=loss)
 
 
-def metric_shapes(statics: StepStatics, trainable, frozen, target_params, batch, base_key):
+def metric_shapes(
+    statics: StepStatics, trainable, frozen, target_params, batch, base_key, loss_weights=None
+):
     """`{key: shape}` of the metrics (with `loss`) the loss returns for `batch` (abstract)."""
 
-    def shapes(tr, fr, tp, b, k):
-        lb = _loss_batch(statics, tp, b)
-        loss, m = statics.loss.fn(cast_floats(tr, statics.dtype), fr, lb, k)
+    def shapes(tr, fr, tp, b, k, w):
+        loss, m = _call_loss(statics, tr, fr, _loss_batch(statics, tp, b), k, w)
         return dict(m, loss=loss)
 
-    out = jax.eval_shape(shapes, trainable, frozen, target_params, batch, base_key)
+    out = jax.eval_shape(shapes, trainable, frozen, target_params, batch, base_key, loss_weights)
     return {k: v.shape for k, v in out.items()}
 
 

@@ -54,6 +54,7 @@ from dspark_jax import parallel
 from dspark_jax.config import DrafterConfig, MeshConfig, TargetConfig, TrainConfig
 from dspark_jax.drafters import init_params
 from dspark_jax.drafters.compat import check_fits
+from dspark_jax.errors import ConfigError
 from dspark_jax.spec.metrics import heldout_summary
 from dspark_jax.train import loader as loader_lib
 from dspark_jax.train import losses
@@ -102,7 +103,9 @@ class Trainer(TrainerSetup):
     `trainable` is kept in fp32 (master weights); `frozen` and `target_params` are stored in the
     compute dtype (the target in `target_dtype`). Only `trainable` enters the optimizer state.
     `target_name` / `vocab_hash` (of the target's tokenizer, `drafters.compat.vocab_hash`) are
-    recorded with the target the drafter is trained for ("" = unknown).
+    recorded with the target the drafter is trained for ("" = unknown). `loss_weights` (a
+    pytree of arrays, or None) is the loss's last argument — the steps take it as data, so
+    `set_loss_weights` changes it without a recompilation.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class Trainer(TrainerSetup):
         sidecar: dict[str, Any] | None = None,
         target_name: str = "",
         vocab_hash: str = "",
+        loss_weights=None,
     ):
         self.cfg = cfg = memory_lib.resolve_dtypes(cfg)  # "auto": bf16 on accelerators, f32 on CPU
         self.drafter_cfg, self.target_cfg = drafter_cfg, target_cfg
@@ -137,6 +141,7 @@ class Trainer(TrainerSetup):
             check_resumable(self.run_dir, self.sidecar, TrainConfig.RESUMABLE_CHANGES)
         self._plan_memory(trainable, frozen, target_params)
         self._place(trainable, frozen, target_params)
+        self._loss_weights = None if loss_weights is None else self._placed(loss_weights)
         self._open_run_dir(resume)
 
     @classmethod
@@ -157,7 +162,10 @@ class Trainer(TrainerSetup):
     ) -> Trainer:
         """A DSpark / DFlash / Eagle3 drafter (`drafter_cfg.kind`) initialised for its target
         (`drafter_cfg.target`), trained with `train.losses.loss_fn`. `target_params` is the
-        target's `nnx.State` (also the source of the frozen embedding / LM head copies)."""
+        target's `nnx.State` (also the source of the frozen embedding / LM head copies).
+
+        The loss weights and decay enter the steps as arrays (`losses.LossWeights`): drafters
+        that differ only in those share the compiled steps."""
         if cfg.anchor_chunk >= 0 and drafter_cfg.kind != "eagle3":
             # a chunk of all anchors or more is no chunking
             chunk = cfg.anchor_chunk if cfg.anchor_chunk < drafter_cfg.num_anchors else 0
@@ -166,7 +174,7 @@ class Trainer(TrainerSetup):
         params = init_params(drafter_cfg, seed=seed, target_params=target_params)
         return cls(
             cfg,
-            functools.partial(losses.loss_fn, drafter_cfg),
+            functools.partial(losses.loss_fn, losses.loss_structure(drafter_cfg)),
             params.trainable,
             params.frozen,
             train_data=train_data,
@@ -179,7 +187,31 @@ class Trainer(TrainerSetup):
             resume=resume,
             target_name=target_name,
             vocab_hash=vocab_hash,
+            loss_weights=losses.LossWeights.of(drafter_cfg),
         )
+
+    @property
+    def loss_weights(self):
+        return self._loss_weights
+
+    def set_loss_weights(self, weights) -> None:
+        """Train on with other loss weights (same structure and shapes: no recompilation). The
+        run directory's config.json keeps the values the run started with."""
+        old = self._loss_weights
+        same = old is not None and jax.tree.structure(weights) == jax.tree.structure(old)
+        if not same or any(
+            np.shape(a) != np.shape(b)
+            for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(old))
+        ):
+            raise ConfigError(
+                "set_loss_weights needs weights shaped like the ones this Trainer was built with "
+                f"({old!r}) — build them with losses.LossWeights.of(drafter_cfg)"
+            )
+        self._loss_weights = self._placed(weights)
+
+    def _placed(self, weights):
+        # numpy first: a Python float would enter weakly typed, a new signature (a recompile)
+        return jax.device_put(jax.tree.map(np.asarray, weights), parallel.replicated(self.mesh))
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -216,7 +248,8 @@ class Trainer(TrainerSetup):
 
     def _micro_args(self, grad_acc, metric_acc, batch, step, micro):
         return (self.spec, self.trainable, self.frozen, self.target_params, grad_acc, metric_acc,
-                batch, self.base_key, np.int32(step), np.int32(micro))  # fmt: skip
+                batch, self.base_key, np.int32(step), np.int32(micro),
+                self._loss_weights)  # fmt: skip
 
     def _device_batch(self, source, mb: loader_lib.MicroBatch) -> dict[str, jax.Array]:
         return steps_lib.device_batch(self.mesh, source, mb, self.cfg.pad_id)
@@ -225,8 +258,9 @@ class Trainer(TrainerSetup):
         grad_acc = self._zeros(self.trainable)
         if self._metric_keys is None:
             self._metric_keys = steps_lib.metric_shapes(
-                self.spec, self.trainable, self.frozen, self.target_params, batch, self.base_key
-            )
+                self.spec, self.trainable, self.frozen, self.target_params, batch, self.base_key,
+                self._loss_weights,
+            )  # fmt: skip
         metric_acc = {
             k: jax.device_put(np.zeros(s, np.float32), parallel.replicated(self.mesh))
             for k, s in self._metric_keys.items()
@@ -326,6 +360,7 @@ class Trainer(TrainerSetup):
                     batch,
                     self.base_key,
                     np.int32(i),
+                    self._loss_weights,
                 )  # fmt: skip
             )
             for k, v in m.items():
