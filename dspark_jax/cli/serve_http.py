@@ -28,6 +28,7 @@ from pathlib import Path
 from dspark_jax.cli import bench
 from dspark_jax.cli.common import report, user_errors
 from dspark_jax.eval.load_test import check_local
+from dspark_jax.launch import add_distributed_flags, init_distributed
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 POLICIES = ("alg1", "async", "threshold", "fixed", "mtp1")
@@ -74,6 +75,7 @@ def add_subcommands(sub) -> None:
                         "cancelled and answered 504; 0: no limit")  # fmt: skip
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    add_distributed_flags(s)  # process 0 serves HTTP, the others follow its rounds
 
     b = sub.add_parser("bench", help="bounded load test of a server on 127.0.0.1")
     bench.add_arguments(b)
@@ -105,9 +107,13 @@ def run(args) -> int:
         log.warning("binding %s: the server is reachable from other machines%s", args.host,
                     "" if key else " without an API key (--api-key / DSPARK_API_KEY)")  # fmt: skip
     try:
+        several = init_distributed(args.coordinator, args.num_processes, args.process_id,
+                                   args.distributed)  # fmt: skip
         app = build_app(args)
     except user_errors() as e:
         return report(e, args.debug)
+    if several:
+        return _serve_on_processes(app, args)
     if key:
         log.info("API key required on every route but /health")
     from dspark_jax.engine.server_run import run_server
@@ -115,6 +121,32 @@ def run(args) -> int:
     log.info("serving on http://%s:%d (Ctrl-C / SIGTERM drains and exits)", args.host, args.port)
     run_server(app, args.host, args.port, drain_timeout_s=args.drain_timeout,
                log_level=args.log_level)  # fmt: skip
+    log.info("stopped")
+    return 0
+
+
+def _serve_on_processes(app, args) -> int:
+    """A mesh over several processes: process 0 serves HTTP and leads the engine's rounds, the
+    others follow them (engine.multihost) until it stops."""
+    import jax
+
+    from dspark_jax.engine.multihost import Mirror
+    from dspark_jax.engine.server_run import run_server
+
+    mirror = Mirror(app.state.server.engine)
+    if jax.process_index() != 0:
+        log.info("process %d follows process 0's rounds", jax.process_index())
+        mirror.follow()
+        log.info("stopped")
+        return 0
+    mirror.start_ticks()
+    log.info("serving on http://%s:%d for %d processes (Ctrl-C / SIGTERM drains and exits)",
+             args.host, args.port, jax.process_count())  # fmt: skip
+    try:
+        run_server(app, args.host, args.port, drain_timeout_s=args.drain_timeout,
+                   log_level=args.log_level)  # fmt: skip
+    finally:
+        mirror.stop()
     log.info("stopped")
     return 0
 

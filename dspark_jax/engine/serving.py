@@ -125,6 +125,8 @@ class ServingEngine:
         self._step_lock = threading.Lock()  # one step at a time
         self._work = threading.Condition(self._lock)
         self._loop = BackgroundLoop(self.step, self.has_work, self._fail_all, self._work)
+        self.mirror = None  # engine.multihost.Mirror when the mesh spans processes
+        self.mirror_stopped = False  # a follower's engine after the leader's stop message
         self._ids = itertools.count()
         self._closed = False
 
@@ -203,6 +205,8 @@ class ServingEngine:
             if params.seed is None:
                 req.seed = int(np.random.default_rng().integers(0, 2**32))
             self.slots.enqueue(req)
+            if self.mirror is not None:
+                self.mirror.submitted(req)
             self._counters.add("submitted")
             self._work.notify_all()
         return handle
@@ -214,10 +218,17 @@ class ServingEngine:
             if req is None or req.done:
                 return
             req.cancel_requested = True
+            if self.mirror is not None:
+                self.mirror.cancelled(request_id)
             if req.slot is None:
                 self.slots.queue.remove(req)
                 self._committer.finish(req, [], "cancelled")
             self._work.notify_all()
+
+    @property
+    def work_condition(self) -> threading.Condition:
+        """Notified on every submission and cancellation (the engine's lock)."""
+        return self._work
 
     def has_work(self) -> bool:
         with self._lock:
@@ -229,6 +240,9 @@ class ServingEngine:
         with self._step_lock, self._tally:
             deltas: list[Delta] = []
             with self._lock:
+                if self.mirror is not None and not self.mirror.sync():
+                    self.mirror_stopped = True  # the leader stopped: a follower ends here
+                    return deltas
                 for req in self.slots.running():
                     if req.cancel_requested:
                         deltas.append(self._committer.finish(req, [], "cancelled"))
