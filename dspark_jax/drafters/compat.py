@@ -52,7 +52,7 @@ class TargetId:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     intermediate_size: int | None = None
-    dtype: str | None = None  # the target's dtype the drafter learnt its features from
+    dtype: str | None = None  # the target config's dtype (its parameters as loaded)
     max_position_embeddings: int | None = None  # the context window (RoPE) it was trained with
     rope_theta: float | None = None
     rope_scaling: Any = None  # the target config's RopeScaling as JSON (None: none or unknown)
