@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from dspark_jax import drafters  # noqa: E402
+from dspark_jax.compat import device_name, target_shape_key  # noqa: E402
 from dspark_jax.engine import RequestParams, ServingEngine  # noqa: E402
 from dspark_jax.models import init_params  # noqa: E402
 from dspark_jax.models.transformer import param_count  # noqa: E402
@@ -183,6 +184,8 @@ def main(argv=None):
         repeats=args.repeats,
     )
     meta = {
+        "target": target_shape_key(tcfg),  # what the profile is refused for elsewhere
+        "device": device_name(),
         "model": name,
         "params": param_count(tp),
         "context": args.context,

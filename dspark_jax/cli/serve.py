@@ -103,7 +103,7 @@ def _policy(args, run):
     """The verification policy as `(name, kwargs)` for the decoder's `set_policy`, or None for
     fixed γ (the engine's default); its inputs are checked before the decoder is built."""
     # jax: imported after the flags are parsed (serve.py imports this module before its re-run)
-    from dspark_jax.sched.cost import CostProfile
+    from dspark_jax.compat import check_threshold, load_cost_profile
     from dspark_jax.sched.sts import STS
 
     if args.policy == "fixed":
@@ -112,8 +112,9 @@ def _policy(args, run):
         raise ValueError(f"--policy {args.policy} needs confidences: use --drafter dspark")
     sts = run.sts("dspark") or STS.identity(run.config.drafters.block_size)
     if args.policy == "threshold":
+        check_threshold(args.threshold, "--threshold")
         return "threshold", dict(threshold=args.threshold, sts=sts)
-    cost = CostProfile.load(args.cost_profile) if args.cost_profile else run.cost_profile()
+    cost = load_cost_profile(args.cost_profile) if args.cost_profile else run.cost_profile()
     if cost is None:
         raise ValueError(
             f"--policy dspark needs a cost profile — pass --cost-profile FILE or put one at "

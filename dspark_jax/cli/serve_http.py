@@ -98,7 +98,8 @@ def run(args) -> int:
     log.setLevel(args.log_level.upper())
     try:
         check_limits(args)
-    except ValueError as e:
+        check_settings(args)
+    except user_errors() as e:
         return report(e, args.debug)
     key = api_key(args)
     try:
@@ -201,11 +202,12 @@ def export(args) -> int:
 
 
 def _cost_profile(args, run_cost, run_where, n_params: int, policy: str):
+    from dspark_jax.compat import load_cost_profile
     from dspark_jax.sched.cost import CostProfile
 
     if args.cost_profile:
         log.info("cost profile: %s (--cost-profile)", args.cost_profile)
-        return CostProfile.load(args.cost_profile)
+        return load_cost_profile(args.cost_profile)
     if run_cost is not None:
         log.info("cost profile: %s (measured for this run)", run_where)
         return run_cost
@@ -285,6 +287,29 @@ def check_limits(args) -> None:
     if args.request_timeout < 0:
         raise ValueError(f"--request-timeout must be >= 0 (0: no limit), got "
                          f"{args.request_timeout}")  # fmt: skip
+
+
+def check_settings(args) -> None:
+    """The policy flags against what the drafter records, before any model loads (the engine
+    checks them again): γ within the trained block, the threshold a probability, the cost
+    profile file measured for this device and recording what it was measured for."""
+    from dspark_jax.compat import check_gamma, check_threshold, load_cost_profile
+
+    check_threshold(args.threshold, "--threshold")
+    if args.cost_profile:
+        load_cost_profile(args.cost_profile)
+    if args.gamma is None:
+        return
+    if args.run_dir:
+        from dspark_jax.run.rundir import RunDir
+
+        block = RunDir(args.run_dir).config.drafters.block_size
+    else:
+        from dspark_jax.models.hf import read_hf_config
+
+        hf = read_hf_config(args.drafter)
+        block = int(hf.get("block_size", hf.get("ttt_length", 7)))
+    check_gamma(args.gamma, block, "--gamma")
 
 
 def api_key(args) -> str:

@@ -52,6 +52,10 @@ class TargetId:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     intermediate_size: int | None = None
+    dtype: str | None = None  # the target config's dtype (its parameters as loaded)
+    max_position_embeddings: int | None = None  # the context window (RoPE) it was trained with
+    rope_theta: float | None = None
+    rope_scaling: Any = None  # the target config's RopeScaling as JSON (None: none or unknown)
     name: str = ""  # e.g. the checkpoint directory's name; "" = unknown
     vocab_hash: str = ""  # `vocab_hash(tokenizer)`; "" = unknown
 
@@ -65,10 +69,15 @@ class TargetId:
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
         kw["target_layer_ids"] = tuple(int(i) for i in d.get("target_layer_ids", ()))
+        if isinstance(kw.get("rope_scaling"), Mapping):  # hashable, comparable
+            kw["rope_scaling"] = tuple(sorted(kw["rope_scaling"].items()))
         return cls(**kw)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(dataclasses.asdict(self), target_layer_ids=list(self.target_layer_ids))
+        d = dict(dataclasses.asdict(self), target_layer_ids=list(self.target_layer_ids))
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = dict(self.rope_scaling)
+        return d
 
 
 def vocab_hash(tokenizer) -> str:
@@ -119,10 +128,35 @@ def _differences(want: TargetId, have: TargetId, target_cfg: TargetConfig) -> li
             f"{tuple(target_cfg.target_layer_ids)} (feature layer ids: build the target with "
             f"target_layer_ids={ids})"
         )
+    out += _settings(want, have)
     if want.vocab_hash and have.vocab_hash and want.vocab_hash != have.vocab_hash:
         out.append(
             f"tokenizer vocabulary hash: drafter {want.vocab_hash} vs target {have.vocab_hash}"
         )
+    return out
+
+
+def _settings(want: TargetId, have: TargetId) -> list[str]:
+    """The target settings the drafter's features and positions depend on (compared only when
+    the drafter records them: checkpoints written before they were recorded skip them)."""
+    out = []
+    if want.dtype and have.dtype and want.dtype != have.dtype:
+        out.append(
+            f"dtype: drafter trained on {want.dtype} target features, target is {have.dtype} "
+            f"(load the target with dtype={want.dtype!r})"
+        )
+    a, b = want.max_position_embeddings, have.max_position_embeddings
+    if a is not None and b is not None and b > a:
+        out.append(
+            f"context window (max_position_embeddings): drafter trained for {a}, target "
+            f"configured for {b} (keep the target's max_position_embeddings <= {a})"
+        )
+    if want.rope_theta is not None and have.rope_theta is not None:
+        if want.rope_theta != have.rope_theta or want.rope_scaling != have.rope_scaling:
+            out.append(
+                f"RoPE (rope_theta / rope_scaling): drafter trained with {want.rope_theta} / "
+                f"{want.rope_scaling}, target has {have.rope_theta} / {have.rope_scaling}"
+            )
     return out
 
 

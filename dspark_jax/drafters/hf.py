@@ -39,6 +39,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from dspark_jax.compat import check_gamma
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.api import graphdef, init_params
 from dspark_jax.drafters.common import DrafterParams
@@ -153,6 +154,8 @@ def drafter_config_from_hf(
         )
         if rank:
             fields["markov_head_type"] = str(hf.get("markov_head_type", "vanilla")).lower()
+    if "block_size" in kw:  # γ within the block the checkpoint was trained with
+        check_gamma(kw["block_size"], fields["block_size"], "block_size")
     fields.update(kw)
     try:
         return getattr(DrafterConfig, kind)(target, **fields)

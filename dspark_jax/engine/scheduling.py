@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from dspark_jax.compat import check_gamma, check_sts
 from dspark_jax.errors import ConfigError, PolicyError
 from dspark_jax.sched.cost import CostProfile
 from dspark_jax.sched.policies import (
@@ -78,11 +79,8 @@ class Scheduler:
     ):
         self.gamma = gamma
         self.has_confidence = has_confidence
+        check_sts(sts, gamma)
         self.sts = sts if sts is not None else STS.identity(gamma)
-        if len(self.sts.temperatures) < gamma:
-            raise ConfigError(
-                f"STS has {len(self.sts.temperatures)} temperatures, the drafter drafts {gamma}"
-            )
         if isinstance(policy, str):
             if policy not in POLICY_NAMES:
                 raise ConfigError(f"unknown policy {policy!r}; choose one of {POLICY_NAMES}")
@@ -107,8 +105,10 @@ class Scheduler:
                 policy = CausalGreedy(dataclasses.replace(prof, token_buckets=()))
             else:
                 policy = AsyncTopK(engine_profile(cost, token_buckets))
-        if isinstance(policy, FixedGamma) and not 0 <= policy.gamma <= gamma:
-            raise ConfigError(f"fixed gamma must be in 0..{gamma} (the drafter's block size)")
+        if isinstance(policy, FixedGamma):
+            check_gamma(policy.gamma, gamma, "gamma (fixed policy)")
+        if isinstance(policy, AsyncTopK):
+            check_gamma(policy.cold_start_gamma, gamma, "cold_start_gamma (async policy)")
         self.policy = policy
         self.is_async = isinstance(policy, AsyncTopK)
         # Algorithm 1 / top-K admit the K best-ranked drafts; the packed round pads R + K to a

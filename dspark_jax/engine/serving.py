@@ -36,6 +36,7 @@ import time
 import jax
 import numpy as np
 
+from dspark_jax.compat import check_cost_profile, check_drafter_dtype
 from dspark_jax.drafters.api import share_target_tables
 from dspark_jax.drafters.compat import check_fits
 from dspark_jax.engine.commit import Committer, EngineCounters
@@ -77,6 +78,7 @@ def _engine_params(tcfg, tparams, dparams):
 
 
 def _scheduler(config, dcfg, policy, gamma, threshold, cost_profile, sts) -> Scheduler:
+    check_cost_profile(cost_profile, dcfg.target)  # measured for this target and device
     return Scheduler(
         policy, config.gamma, policy_gamma=gamma, threshold=threshold, cost=cost_profile,
         sts=sts, token_buckets=config.token_buckets,
@@ -92,6 +94,7 @@ class ServingEngine:
         prompt_buckets, token_buckets, cache_buckets, modes, rounds_per_call, max_queue,
         root_seed). `policy` .. `sts`: the Scheduler's (`set_policy` swaps it)."""
         check_fits(tcfg, dcfg)
+        check_drafter_dtype(dcfg, dparams)
         if config is None:
             config = EngineConfig.build(tcfg, dcfg, **config_kw)
         elif config_kw:

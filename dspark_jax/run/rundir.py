@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark_jax import drafters as dr
+from dspark_jax.compat import check_sts, load_cost_profile
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.compat import TargetId, vocab_hash
 from dspark_jax.drafters.hf import save_hf_drafter
@@ -33,7 +34,6 @@ from dspark_jax.errors import CheckpointError, ConfigError, RequestError
 from dspark_jax.models.hf import load_target, load_tokenizer
 from dspark_jax.parallel import shard_params
 from dspark_jax.pipeline_config import PipelineConfig
-from dspark_jax.sched.cost import CostProfile
 from dspark_jax.sched.sts import STS
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
@@ -230,15 +230,18 @@ class RunDir:
         f = self.stage_dir("calibrate") / "sts.json"
         if kind != "dspark" or not f.is_file():
             return None
-        return STS.load(f)
+        sts = STS.load(f)
+        check_sts(sts, self.config.drafters.block_size)  # fitted for this γ
+        return sts
 
     def cost_profile_path(self) -> Path:
         return self.path / "cost_profile.json"
 
     def cost_profile(self):
-        """The `CostProfile` in `<run>/cost_profile.json`, or None when there is none."""
+        """The `CostProfile` in `<run>/cost_profile.json`, or None when there is none (refused
+        when it does not record the target and device it was measured for)."""
         f = self.cost_profile_path()
-        return CostProfile.load(f) if f.is_file() else None
+        return load_cost_profile(f) if f.is_file() else None
 
     # -- decoding ---------------------------------------------------------------------------
 

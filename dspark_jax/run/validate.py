@@ -17,6 +17,7 @@ import types
 import typing
 from pathlib import Path
 
+from dspark_jax.compat import check_sampling
 from dspark_jax.config import MARKOV_HEAD_TYPES, TargetConfig
 from dspark_jax.errors import ConfigError, DataError
 from dspark_jax.pipeline_config import STAGES, PipelineConfig
@@ -113,6 +114,10 @@ def validate_config(cfg: PipelineConfig) -> None:
             )
     if d.markov_rank < 0:
         raise ConfigError(f"drafters.markov_rank={d.markov_rank} must be >= 0 (0 = no Markov head)")
+    r, e = cfg.regenerate, cfg.evaluate
+    check_sampling("regenerate.temperature/top_k/top_p", r.temperature, r.top_k, r.top_p)
+    for t in (e.temperature, *e.temperatures):
+        check_sampling("evaluate.temperature(s)", t)
 
 
 def _walk(obj, prefix: str) -> None:

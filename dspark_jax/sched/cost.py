@@ -29,7 +29,8 @@ JSON format (written by ``benchmarks/decode_cost.py`` and by :meth:`CostProfile.
         "length_buckets": [],                                 # optional ("padded" only)
         "measurements": [                                     # optional raw rows
             {"batch": 4, "tokens_per_request": 2, "steps_per_s": 94.0}, ...],
-        "meta": {...}}}                                       # optional, free-form, ignored
+        "meta": {"target": "...", "device": "...", ...}}}     # optional; what it was measured
+                                                              # for (compat.check_cost_profile)
 
 Either ``tokens`` + ``steps_per_s`` or ``measurements`` must be present; raw ``measurements``
 (``batch`` requests x ``tokens_per_request``) are folded into the 1-D table by total tokens
@@ -87,6 +88,8 @@ class CostProfile:
     token_buckets: tuple[int, ...] = ()
     batch_buckets: tuple[int, ...] = ()
     length_buckets: tuple[int, ...] = ()
+    target: str = ""
+    device: str = ""
 
     def __post_init__(self):
         for name in ("tokens", "steps_per_s", "token_buckets", "batch_buckets", "length_buckets"):
@@ -141,6 +144,8 @@ class CostProfile:
             for k in ("layout", "token_buckets", "batch_buckets", "length_buckets")
             if k in d
         }
+        meta = d.get("meta") or {}
+        kw.update({k: str(meta[k]) for k in ("target", "device") if meta.get(k)})
         if "tokens" in d or "steps_per_s" in d:
             return cls(tuple(d["tokens"]), tuple(d["steps_per_s"]), **kw)
         if "measurements" not in d:
@@ -159,6 +164,7 @@ class CostProfile:
             return cls.from_dict(json.load(f))
 
     def to_dict(self) -> dict:
+        record = {"target": self.target, "device": self.device}
         return {
             "cost_profile": {
                 "tokens": list(self.tokens),
@@ -167,6 +173,7 @@ class CostProfile:
                 "token_buckets": list(self.token_buckets),
                 "batch_buckets": list(self.batch_buckets),
                 "length_buckets": list(self.length_buckets),
+                **({"meta": record} if self.target or self.device else {}),
             }
         }
 

@@ -42,6 +42,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from dspark_jax.compat import check_trained_block
 from dspark_jax.drafters.compat import check_fits, recorded_target
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.io import atomic_write
@@ -286,6 +287,10 @@ def check_resumable(run_dir: Path, sidecar: dict[str, Any], resumable=()) -> Non
                 diffs.append(f"train.{f}: {a.get(f)!r} -> {b.get(f)!r}")
         elif k in ADDED_SIDECAR_KEYS and k not in old:
             continue
+        elif k == "trained_for" and isinstance(a, dict) and isinstance(b, dict):
+            # fields TargetId gained later (dtype, context window, RoPE) are not in older runs
+            if any(a[f] != b.get(f) for f in a):
+                diffs.append("trained_for differs")
         elif a != b:
             diffs.append(f"{k} differs")
     if diffs:
@@ -356,6 +361,8 @@ def load_best_params(
             name=target_name,
             vocab_hash=vocab_hash,
         )
+        trained = (side.get("drafter") or {}).get("block_size")
+        check_trained_block(drafter_cfg.block_size, trained, where=str(ckpt.directory))
     got = ckpt.restore({"trainable": abstract_trainable})
     if got is None:
         raise CheckpointError(f"{run_dir}/best holds no checkpoint; was an evaluation ever run?")
