@@ -18,6 +18,7 @@ is `drafters.compat.check_fits`; this module holds the rest:
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from dspark_jax.errors import ConfigError
 from dspark_jax.sched.cost import CostProfile
 from dspark_jax.sched.sts import STS
 from dspark_jax.spec.sampling import validate_sampling_params
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "check_cost_profile",
@@ -98,16 +101,17 @@ def check_cost_profile(
     """A cost profile charges a round what it costs this target on this device: one measured
     for another target (`cost.target`) or device (`cost.device`) is refused. A profile that
     records neither is accepted when built in code or when it is a packaged default; one read
-    from a file (`require_record=True`) must record both. `tcfg=None`: the target is not
+    from a file (`require_record=True`) that records neither (an older version's) is used with a
+    warning: refusing it would strand the profiles of existing runs. `tcfg=None`: the target is not
     compared (a loader that has not loaded it yet; the engine compares it)."""
     if cost is None:
         return
     at = f" {where}" if where else ""
     fix = "measure one here with benchmarks/decode_cost.py --run-dir <run> (or --out FILE)"
-    if require_record and not (cost.target and cost.device):
-        raise ConfigError(
-            f"cost profile{at} does not record the target and device it was measured for — {fix}"
-        )
+    if require_record and not (cost.target and cost.device):  # written before they were recorded
+        log.warning("cost profile%s does not record the target and device it was measured for "
+                    "(written by an older version); it is used as it is — %s", at, fix)  # fmt: skip
+        return
     if tcfg is not None and cost.target and cost.target != target_shape_key(tcfg):
         raise ConfigError(
             f"cost profile{at} was measured for target '{cost.target}', this target is "
@@ -121,9 +125,10 @@ def check_cost_profile(
 
 
 def load_cost_profile(path: str | os.PathLike) -> CostProfile:
-    """`CostProfile.load(path)`, refused unless it records the target and device it was
-    measured for or is one of the profiles packaged in dspark_jax/data (their behaviour is
-    unchanged: the server's fallback, measured on another machine, says so in its log)."""
+    """`CostProfile.load(path)`, refused when it records another device (the engine compares
+    the target once it is loaded); a file that records neither is used with a warning unless it
+    is one of the profiles packaged in dspark_jax/data (the server's fallback, which says in its
+    log that it was measured on another machine)."""
     packaged = Path(path).resolve().parent == Path(packaged_data.__file__).resolve().parent
     cost = CostProfile.load(path)
     check_cost_profile(cost, require_record=not packaged, where=str(path))

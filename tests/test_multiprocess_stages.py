@@ -28,12 +28,10 @@ def _port() -> int:
 
 
 @pytest.mark.slow
-def test_calibrate_and_evaluate_on_two_processes_give_the_one_process_report(
-    one_device_run,
-    tmp_path,  # noqa: F811 (the fixture imported above)
-):
+def test_calibrate_and_evaluate_on_two_processes_give_the_one_process_report(request, tmp_path):
+    one_run = request.getfixturevalue("one_device_run")  # test_pipeline_mesh's, imported above
     run = tmp_path / "micro"
-    shutil.copytree(one_device_run, run)
+    shutil.copytree(one_run, run)
     port = _port()
     sets = [f"mesh.{k}={v}" for k, v in MESH.items()] + ["evaluate.speed_reps=0"]
     procs, logs = [], []
@@ -63,7 +61,7 @@ def test_calibrate_and_evaluate_on_two_processes_give_the_one_process_report(
     for t in text:  # upstream stages reused, not re-run because of the mesh
         assert "drafters: skipped" in t and "evaluate: ran" in t, tails
 
-    one, two = _report(one_device_run), _report(run)
+    one, two = _report(one_run), _report(run)
     assert two["speed_batch1"]["mesh"] == MESH
     for key in ("tau", "tau_by_temperature", "per_dataset", "threshold_sweep"):
         assert two[key] == one[key], key

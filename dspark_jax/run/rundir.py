@@ -239,7 +239,7 @@ class RunDir:
 
     def cost_profile(self):
         """The `CostProfile` in `<run>/cost_profile.json`, or None when there is none (refused
-        when it does not record the target and device it was measured for)."""
+        when it records another device; `compat.load_cost_profile`)."""
         f = self.cost_profile_path()
         return load_cost_profile(f) if f.is_file() else None
 
