@@ -1,7 +1,11 @@
-"""The inference stages on two processes, as on a pod: `train.py` on two real processes joined by
-`jax.distributed` over loopback (2 CPU devices each) re-runs calibrate and evaluate of the micro
-run with the models sharded over both processes (fsdp 2 x tensor 2) and reports the one-process
-run's τ tables and STS temperatures."""
+"""Inference on two processes, as on a pod: two real processes joined by `jax.distributed` over
+loopback (2 CPU devices each), the models sharded over both (fsdp 2 x tensor 2).
+
+- `train.py` re-runs calibrate and evaluate of the micro run and reports the one-process run's
+  τ tables and STS temperatures;
+- `serve.py serve`: process 0 serves HTTP, process 1 follows its rounds; concurrent requests
+  (seeded sampling, greedy) get the one-device engine's tokens, and SIGTERM on process 0 ends
+  both."""
 
 from __future__ import annotations
 
@@ -10,12 +14,14 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
-from tests.test_pipeline_mesh import _env, _report, one_device_run  # noqa: F401 (fixture)
+from tests.test_pipeline_mesh import _env, _report, one_device_run  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = {"data": 1, "fsdp": 2, "tensor": 2}
@@ -27,25 +33,32 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_calibrate_and_evaluate_on_two_processes_give_the_one_process_report(request, tmp_path):
-    one_run = request.getfixturevalue("one_device_run")  # test_pipeline_mesh's, imported above
-    run = tmp_path / "micro"
-    shutil.copytree(one_run, run)
-    port = _port()
-    sets = [f"mesh.{k}={v}" for k, v in MESH.items()] + ["evaluate.speed_reps=0"]
+def _one_device_engine_ids(run: Path, prompt: list[int], n: int, **knobs) -> list[int]:
+    """The same request through a one-device engine of the run (fixed γ, root seed 0, as the
+    server below)."""
+    from dspark_jax.engine import RequestParams
+    from dspark_jax.run.rundir import RunDir
+
+    eng = RunDir(run).decoder("dspark", max_len=128, length_buckets=(16,), num_slots=1)
+    (out,) = eng.generate([prompt], RequestParams(n, **knobs))
+    return [int(x) for x in out.tokens]
+
+
+def _launch(script: str, args, port: int, tmp_path: Path):
+    """Two processes of `script` (logs in files: a pipe nobody reads fills and stalls them)."""
     procs, logs = [], []
     for i in range(2):
-        cmd = [sys.executable, str(ROOT / "train.py"), "--config", "configs/micro.py",
-               "--run-dir", str(run), "--coordinator", f"127.0.0.1:{port}",
-               "--num-processes", "2", "--process-id", str(i),
-               "--stages", "calibrate,evaluate", "--force", "calibrate,evaluate",
-               *[a for s in sets for a in ("--set", s)]]  # fmt: skip
-        logs.append(tmp_path / f"p{i}.log")
+        cmd = [sys.executable, str(ROOT / script), *args, "--coordinator", f"127.0.0.1:{port}",
+               "--num-processes", "2", "--process-id", str(i)]  # fmt: skip
+        logs.append(tmp_path / f"{Path(script).stem}{i}.log")
         with open(logs[-1], "w") as log:
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(2), stdout=log,
                                           stderr=subprocess.STDOUT))  # fmt: skip
-    deadline = time.time() + 900
+    return procs, logs
+
+
+def _wait(procs, timeout: float) -> None:
+    deadline = time.time() + timeout
     try:
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.time()))
@@ -54,6 +67,20 @@ def test_calibrate_and_evaluate_on_two_processes_give_the_one_process_report(req
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@pytest.mark.slow
+def test_calibrate_and_evaluate_on_two_processes_give_the_one_process_report(request, tmp_path):
+    one_run = request.getfixturevalue("one_device_run")  # test_pipeline_mesh's, imported above
+    run = tmp_path / "micro"
+    shutil.copytree(one_run, run)
+    port = _port()
+    sets = [f"mesh.{k}={v}" for k, v in MESH.items()] + ["evaluate.speed_reps=0"]
+    args = ["--config", "configs/micro.py", "--run-dir", str(run),
+            "--stages", "calibrate,evaluate", "--force", "calibrate,evaluate",
+            *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    procs, logs = _launch("train.py", args, port, tmp_path)
+    _wait(procs, 900)
     text = [log.read_text() for log in logs]
     tails = "\n".join(t[-3000:] for t in text)
     assert all(p.returncode == 0 for p in procs), tails
@@ -68,3 +95,48 @@ def test_calibrate_and_evaluate_on_two_processes_give_the_one_process_report(req
     np.testing.assert_allclose(
         two["calibration"]["temperatures"], one["calibration"]["temperatures"], rtol=1e-6
     )
+
+
+@pytest.mark.slow
+def test_serve_on_two_processes_gives_the_one_device_tokens(request, tmp_path):
+    run = request.getfixturevalue("one_device_run")
+    http = _port()
+    args = ["serve", "--run-dir", str(run), "--mesh", "1,2,2", "--port", str(http),
+            "--num-slots", "2", "--max-len", "128", "--policy", "fixed", "--log-level", "info"]  # fmt: skip
+    procs, logs = _launch("serve.py", args, _port(), tmp_path)
+    url = f"http://127.0.0.1:{http}"
+    jobs = [([5, 6, 7, 8, 9, 10], 24, dict(temperature=0.8, top_p=0.9, seed=7)),
+            ([11, 12, 13], 20, dict(temperature=0.0)),
+            ([40, 41, 42, 43], 16, dict(temperature=1.0, seed=3))]  # fmt: skip
+
+    def complete(job):
+        prompt, n, knobs = job
+        body = {"model": run.name, "prompt": prompt, "max_tokens": n, "ignore_eos": True,
+                "return_token_ids": True, **knobs}  # fmt: skip
+        r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, logs[0].read_text()[-2000:]
+            time.sleep(0.5)
+        with ThreadPoolExecutor(len(jobs)) as ex:  # concurrent: batched on the mesh
+            got = list(ex.map(complete, jobs))
+        procs[0].terminate()  # the leader drains, then its stop message ends the follower
+        _wait(procs, 120)
+    finally:
+        _wait(procs, 1)
+    text = [log.read_text() for log in logs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(t[-2000:] for t in text)
+    assert "follows process 0's rounds" in text[1] and "stopped" in text[1]
+    for job, ids in zip(jobs, got):
+        prompt, n, knobs = job
+        assert ids == _one_device_engine_ids(run, prompt, n, **knobs), job
