@@ -159,7 +159,7 @@ def check_sampling(field: str, temperature, top_k=0, top_p=1.0) -> None:
     """Sampling knobs of a configuration (`spec.sampling.validate_sampling_params`' ranges,
     the ones every request is held to), named by their config field."""
     try:
-        validate_sampling_params(temperature, top_k, top_p)
+        validate_sampling_params(temperature, top_k, top_p, on_host=True)
     except ValueError as e:
         raise ConfigError(f"{field}: {e} — fix {field} in the config (or with --set)") from None
 

@@ -1,4 +1,4 @@
-"""The README's "Research API" code block runs as written (tiny models, a few seconds)."""
+"""The README's "For researchers" code block runs as written (tiny models, a few seconds)."""
 
 import re
 from pathlib import Path
@@ -15,8 +15,8 @@ def _snippet(section: str) -> str:
 
 
 def test_research_api_snippet_runs(capsys):
-    code = _snippet("Research API")
-    exec(compile(code, f"{README}:Research API", "exec"), {"__name__": "readme"})
+    code = _snippet("For researchers")
+    exec(compile(code, f"{README}:For researchers", "exec"), {"__name__": "readme"})
     out = capsys.readouterr().out.splitlines()
     losses = [float(line.split()[1]) for line in out if line.startswith("loss ")]
     assert len(losses) == 2 and losses[0] != losses[1]  # the variant's weights took effect

@@ -161,8 +161,11 @@ def validate_sampling_params(
     min_p=0.0,
     *,
     batch_size: int | None = None,
+    on_host: bool = False,
 ) -> SamplingParams:
-    """Check per-request sampling knobs on the host and pack them as ``[B]`` arrays.
+    """Check per-request sampling knobs on the host and pack them as ``[B]`` arrays (on the
+    default device; numpy arrays with ``on_host``, which never touches a device: a config check
+    that runs before ``jax.distributed.initialize``).
 
     Args (scalars broadcast to ``[B]``; ``B`` is ``batch_size`` or the length of any array arg):
       temperature: 0 (greedy for that row) or finite and >= ``MIN_TEMPERATURE`` (1e-4).
@@ -207,14 +210,13 @@ def validate_sampling_params(
             f"min_p must be in [0, 1] (0 = off); {_bad_rows(bad_m, m, np.ndim(min_p) == 0)}"
         )
     k = np.minimum(k_raw, np.iinfo(np.int32).max).astype(np.int32)
+    host = SamplingParams(np.asarray(t, np.float32), k, np.asarray(p, np.float32),
+                          np.asarray(m, np.float32))  # fmt: skip
+    if on_host:
+        return host
     # cast on the host and transfer: jnp.asarray would compile a small program per dtype
     # before the caller has finished checking the request
-    return SamplingParams(
-        temperature=jax.device_put(np.asarray(t, np.float32)),
-        top_k=jax.device_put(k),
-        top_p=jax.device_put(np.asarray(p, np.float32)),
-        min_p=jax.device_put(np.asarray(m, np.float32)),
-    )
+    return SamplingParams(*(jax.device_put(x) for x in host))
 
 
 def check_logits(logits, name: str = "logits", valid=None) -> None:
