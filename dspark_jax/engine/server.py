@@ -40,6 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark_jax.engine import faults
 from dspark_jax.engine.http_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -315,6 +316,7 @@ class _Run:
         self.stop_ids = set(stop_ids)
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
+        self.error = faults.message("internal")  # the message of finish_reason "error"
         self.stats = None
         self._last = None
         self._engine_done = False
@@ -348,7 +350,11 @@ class _Run:
                 shown = toks
                 if d.finished and d.finish_reason == "stop" and toks[-1] in self.stop_ids:
                     shown = toks[:-1]  # the stop token is not part of the text
-                text, hit = self.stops.push(self.detok.add(shown))
+                try:
+                    text, hit = self.stops.push(self.detok.add(shown))
+                except Exception as e:  # noqa: BLE001 - the tokenizer's own error types
+                    self._detok_failed(e)
+                    return
                 if hit:
                     self.finish_reason = "stop"
                     if not d.finished:
@@ -357,14 +363,29 @@ class _Run:
                     yield text, toks
             if d.finished:
                 self._engine_done = True
+                if d.error is not None:
+                    self.error = d.error
                 if self.finish_reason is None:
                     self.finish_reason = d.finish_reason or "stop"
-                    tail, _ = self.stops.push(self.detok.flush())
+                    try:
+                        tail, _ = self.stops.push(self.detok.flush())
+                    except Exception as e:  # noqa: BLE001 - the tokenizer's own error types
+                        self._detok_failed(e)
+                        return
                     tail += self.stops.flush()
                     if tail:
                         yield tail, []
                 break
         self._record({"cancelled": "abort"}.get(self.finish_reason, self.finish_reason))
+
+    def _detok_failed(self, exc: BaseException) -> None:
+        """The tokenizer raised on this request's tokens: end it in the engine with an error
+        (frees its slot; counted as "detokenize"), the other requests unaffected."""
+        if not self._engine_done:
+            self.st.engine.fail(self.handle.id, "detokenize", type(exc).__name__)
+        self.finish_reason = "error"
+        self.error = faults.message("detokenize", type(exc).__name__)
+        self._record("error")
 
     async def _next(self, deltas):
         """The next delta; TimeoutError once `request_timeout_s` since arrival has passed."""
@@ -442,7 +463,7 @@ async def _unary(run: _Run, request: Request, base, req, prompt_len, *, chat: bo
     gone.cancel()
     text = work.result()
     if run.finish_reason == "error":
-        raise APIError(500, "the engine failed while generating this request")
+        raise APIError(500, run.error)
     if run.finish_reason == "timeout":
         raise run.timeout_error()
     choice = _choice(chat, text, _public_reason(run.finish_reason), delta=False)
@@ -478,8 +499,8 @@ async def _sse_stream(run: _Run, base, req, prompt_len, *, chat: bool):
             yield _sse(dict(base, choices=[choice], usage=None))
         finished = True
         if run.finish_reason == "error":
-            yield _sse({"error": {"message": "the engine failed while generating this request",
-                                  "type": "internal_server_error", "code": 500}})  # fmt: skip
+            yield _sse({"error": {"message": run.error, "type": "internal_server_error",
+                                  "code": 500}})  # fmt: skip
         elif run.finish_reason == "timeout":
             err = run.timeout_error()
             yield _sse({"error": {"message": err.message, "type": err.kind, "code": 504}})
