@@ -196,14 +196,20 @@ def chunk_finite(logits_1xV, hidden_1xCxH, n_valid):
     return jnp.all(jnp.isfinite(logits_1xV)) & jnp.all(jnp.isfinite(hidden_1xCxH) | ~valid)
 
 
-def finite_rows(logits_NxGxV, num_accepted_N):
-    """[N] bool: every logit a row's verification read is finite (positions 0..A: the accepted
-    drafts' and the bonus token's; a rejected draft's later logits are never read). A row
-    that fails it reports num_accepted -1 and emits nothing (its request ends with an error,
-    `engine.commit`); no other row's values depend on it."""
+def finite_rows(logits_NxGxV, num_accepted_N, lengths_N, probs_NxGxV=None):
+    """[N] bool: every value a row's verification read is finite: the target's logits at
+    positions 0..A (the accepted drafts' and the bonus token's; a rejected draft's later logits
+    are never read) and, when sampling, the draft distributions of the verified drafts up to the
+    first rejected one. A row that fails it reports num_accepted -1 and emits nothing (its
+    request ends with an error, `engine.commit`); no other row's values depend on it."""
     ok = jnp.all(jnp.isfinite(logits_NxGxV), axis=-1)  # [N, γ+1]
     i = jnp.arange(ok.shape[1])[None, :]
-    return jnp.all(ok | (i > num_accepted_N[:, None]), axis=1)
+    ok = jnp.all(ok | (i > num_accepted_N[:, None]), axis=1)
+    if probs_NxGxV is None:
+        return ok
+    read = (i[:, :-1] <= num_accepted_N[:, None]) & (i[:, :-1] < lengths_N[:, None])  # [N, γ]
+    q_ok = jnp.all(jnp.isfinite(probs_NxGxV), axis=-1) | ~read
+    return ok & jnp.all(q_ok, axis=1)
 
 
 def pack_indices(lengths_N, active_N, num_tokens: int):
@@ -275,7 +281,7 @@ def finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, 
     rounds = state.rounds + active_N.astype(jnp.int32)
     prop = drafters.propose(dcfg, dparams, ctx, anchor, key, seeds_N, sp, scfg, rounds_B=rounds)
     conf = _conf_or_zeros(prop, n, g)
-    ok = finite_rows(logits, a)
+    ok = finite_rows(logits, a, lengths_N, probs)
     emitted = jnp.where((i <= a[:, None]) & (active_N & ok)[:, None], next_tokens, -1)
     new_state = SlotState(
         cache, ctx, anchor, rounds, prop.tokens, prop.probs.astype(jnp.float32), conf

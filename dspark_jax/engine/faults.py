@@ -15,6 +15,12 @@ from __future__ import annotations
 
 import jax
 
+from dspark_jax.errors import ConfigError, PolicyError, RequestError
+
+# the host's own checks (a policy's lengths out of range ..): raised to the caller of step(),
+# never taken for a device fault
+HOST_ERRORS = (ConfigError, PolicyError, RequestError)
+
 CAUSES = ("nonfinite", "oom", "device", "detokenize", "internal")
 
 _MESSAGES = {

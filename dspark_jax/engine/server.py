@@ -19,6 +19,10 @@ Contract:
   request is cancelled in the engine as soon as one is found;
 * a client that disconnects (streaming or not) has its request cancelled, which frees its slot
   at the engine's next round;
+* a request that fails inside the engine (non-finite logits, a device error, out of memory) or
+  whose tokens the tokenizer cannot decode ends with a 500 OpenAI error body naming the cause,
+  or, once streaming, a final error event; the other requests are unaffected and
+  `dspark:request_errors` counts it by cause (`engine.faults`);
 * every response carries `usage` and, next to it, `spec_stats` (rounds, drafted, verified,
   accepted tokens and the mean accepted length of this request); streams end with
   `data: [DONE]`.

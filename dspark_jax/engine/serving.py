@@ -22,6 +22,9 @@ buckets, long prompts in chunks), run one packed round (or, with `rounds_per_cal
 policy the device computes, up to K device-resident rounds in one call, `engine.rounds`) and
 commit on the host. The host reads the device once per call. Output does not depend on K.
 
+Faults (`engine.faults`): a request whose logits turn non-finite, or whose prefill or round
+raises on the device, ends with finish_reason "error" (counted by cause); the others go on.
+
 Exactness: every draw is keyed by (stream, request seed, position) (`spec.rng`), draft noise also
 by the request's round counter, so a request's output does not depend on its slot, its admission
 time or the other requests. Greedy output equals `models.generate.generate` token for token.
@@ -247,6 +250,8 @@ class ServingEngine:
             if running:
                 try:
                     outs = self._runner.run(running, self.slots.conf)
+                except faults.HOST_ERRORS:
+                    raise
                 except Exception as e:  # noqa: BLE001 - a device fault: see _device_fault
                     return deltas + self._device_fault(e, running)
                 with self._lock:
@@ -264,6 +269,8 @@ class ServingEngine:
         not finite (first token -1, `device.chunk_finite`)."""
         try:
             firsts = self._runner.prefill(admitted)
+        except faults.HOST_ERRORS:
+            raise
         except Exception as e:  # noqa: BLE001 - reading the results failed: all of them
             return self._device_fault(e, admitted)
         deltas = []
@@ -352,6 +359,8 @@ class ServingEngine:
     def fail(self, request_id: str, cause: str, detail: str = "") -> None:
         """End a queued or running request with an error for `cause` (`engine.faults.CAUSES`;
         the server's "detokenize"); its slot is freed at the next round."""
+        if cause not in faults.CAUSES:
+            raise ValueError(f"unknown error cause {cause!r}; one of {faults.CAUSES}")
         with self._lock:
             req = self.slots.find(request_id)
             if req is None or req.done:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from dspark_jax.buckets import bucket_up
+from dspark_jax.engine import faults
 from dspark_jax.engine import rounds as rounds_lib
 from dspark_jax.engine.config import EngineConfig, sampling_rows
 from dspark_jax.engine.device import PrefillInputs, RoundInputs
@@ -53,6 +54,8 @@ class RoundRunner:
             sp1 = sampling_rows([req.params], mode)
             try:
                 outs.append(self._prefill_one(req, mode, sp1))
+            except faults.HOST_ERRORS:
+                raise
             except Exception as e:  # noqa: BLE001 - the engine ends this request (faults)
                 outs.append(e)
         got = jax.device_get([o for o in outs if not isinstance(o, Exception)])[::-1]
