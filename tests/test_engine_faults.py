@@ -151,3 +151,21 @@ def test_device_error_in_a_round_ends_its_requests_and_the_engine_serves_on(
     assert queued.result().tokens == refs[tuple(CLEAN[1])]
     assert fresh.result().tokens == refs[tuple(CLEAN[0])]
     _all_free(engine)
+
+
+def test_fail_from_the_caller_ends_the_request_and_counts_it(engine):
+    """`ServingEngine.fail` (the server's detokenization fault): a running request ends with an
+    error at the next step; one the engine had already finished is still counted."""
+    count = lambda: engine.metrics().requests_errored_by_cause["detokenize"]  # noqa: E731
+    before = count()
+    h = _submit(engine, CLEAN[0])
+    engine.step()
+    engine.fail(h.id, "detokenize")
+    engine.step()
+    out = h.result(timeout=0)
+    assert out.finish_reason == "error" and "could not decode" in out.error
+    engine.fail(h.id, "detokenize")  # finished already: its caller still got an error
+    assert count() == before + 2
+    with pytest.raises(ValueError, match="unknown error cause"):
+        engine.fail(h.id, "bogus")
+    _all_free(engine)

@@ -384,9 +384,9 @@ class _Run:
 
     def _detok_failed(self, exc: BaseException) -> None:
         """The tokenizer raised on this request's tokens: end it in the engine with an error
-        (frees its slot; counted as "detokenize"), the other requests unaffected."""
-        if not self._engine_done:
-            self.st.engine.fail(self.handle.id, "detokenize", type(exc).__name__)
+        (frees its slot; counted as "detokenize", also when the engine had finished it), the
+        other requests unaffected."""
+        self.st.engine.fail(self.handle.id, "detokenize", type(exc).__name__)
         self.finish_reason = "error"
         self.error = faults.message("detokenize", type(exc).__name__)
         self._record("error")

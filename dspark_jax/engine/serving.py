@@ -358,12 +358,15 @@ class ServingEngine:
 
     def fail(self, request_id: str, cause: str, detail: str = "") -> None:
         """End a queued or running request with an error for `cause` (`engine.faults.CAUSES`;
-        the server's "detokenize"); its slot is freed at the next round."""
+        the server's "detokenize"); its slot is freed at the next round. A request the engine
+        has finished already (its output ended with another reason) is still counted: its
+        caller gets the error."""
         if cause not in faults.CAUSES:
             raise ValueError(f"unknown error cause {cause!r}; one of {faults.CAUSES}")
         with self._lock:
             req = self.slots.find(request_id)
             if req is None or req.done:
+                self._counters.errors_by_cause[cause] += 1
                 return
             if req.slot is None:
                 self.slots.queue.remove(req)
