@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dspark_jax.engine import faults
 from dspark_jax.engine.requests import Delta, EngineMetrics, RequestOutput
 from dspark_jax.engine.slots import Request, SlotTable
 
@@ -31,6 +32,7 @@ class EngineCounters:
         self.accepted_per_position = np.zeros(gamma, np.int64)
         self.verified_per_round = np.zeros(num_slots * gamma + 1, np.int64)
         self.finished_by_reason: dict[str, int] = {}
+        self.errors_by_cause = dict.fromkeys(faults.CAUSES, 0)  # requests ended with "error"
 
     def add(self, name: str, n: int = 1) -> None:
         self.counts[name] += n
@@ -53,6 +55,7 @@ class EngineCounters:
             compilations=compilations,
             requests_submitted=m["submitted"],
             requests_rejected=m["rejected"],
+            requests_errored_by_cause=dict(self.errors_by_cause),
         )
 
 
@@ -86,6 +89,9 @@ class Committer:
                 if r.done:  # finished in an earlier round of this call (cannot happen:
                     continue  # the device loop ends after the round a request finishes)
                 a = int(acc[k, r.slot])
+                if a < 0:  # its logits were not finite (`device.finite_rows`)
+                    deltas.append(self.fail(r, "nonfinite", f"at position {r.pos}"))
+                    continue
                 raw_conf = self.slots.conf[r.slot].copy()
                 self.slots.conf[r.slot] = conf[k, r.slot]
                 new = [int(x) for x in emitted[k, r.slot, : a + 1]]
@@ -135,7 +141,12 @@ class Committer:
             return d
         return self.finish(r, new, reason)
 
-    def finish(self, r: Request, new: list[int], reason: str) -> Delta:
+    def fail(self, r: Request, cause: str, detail: str = "") -> Delta:
+        """End the request with finish_reason "error" for `cause` (`engine.faults`)."""
+        self.counters.errors_by_cause[cause] += 1
+        return self.finish(r, [], "error", faults.message(cause, detail))
+
+    def finish(self, r: Request, new: list[int], reason: str, error: str | None = None) -> Delta:
         """End the request (its output, the final delta) and free its slot."""
         r.tokens.extend(new)
         self.counters.add("generation_tokens", len(new))
@@ -145,8 +156,8 @@ class Committer:
         by[reason] = by.get(reason, 0) + 1
         out = RequestOutput(
             r.id, len(r.prompt), list(r.tokens), reason, r.stats.copy(),
-            list(r.num_accepted), list(r.proposed), list(r.eos), list(r.conf_logits),
+            list(r.num_accepted), list(r.proposed), list(r.eos), list(r.conf_logits), error,
         )  # fmt: skip
-        d = Delta(r.id, new, True, reason, r.stats.copy())
+        d = Delta(r.id, new, True, reason, r.stats.copy(), error)
         r.handle._push(d, out)
         return d

@@ -48,8 +48,8 @@ class SlotState(NamedTuple):
 
 
 class RoundOut(NamedTuple):
-    emitted: jax.Array  # [N, γ+1] committed tokens (-1 past A+1 and for inactive slots)
-    num_accepted: jax.Array  # [N]
+    emitted: jax.Array  # [N, γ+1] committed tokens (-1 past A+1, for inactive and faulty slots)
+    num_accepted: jax.Array  # [N]; -1: the slot's verified logits were not finite (`finite_rows`)
     next_conf: jax.Array  # [N, γ] raw confidence logits of the next pending block
 
 
@@ -143,7 +143,8 @@ def prefill_chunk(spec: PrefillSpec, tparams, dparams, state: SlotState, inp: Pr
     >= start + n_valid) instead of at max_len.
 
     Returns (state, first token, raw confidence logits [γ] of the slot's first block); the
-    latter two are meaningful only on the last chunk.
+    latter two are meaningful only on the last chunk, but a first token of -1 on any chunk says
+    its hidden states or logits were not finite (`chunk_finite`).
     """
     tcfg, dcfg, scfg, cache_len = spec
     slot, tokens_C, next_C, start, n_valid, is_last, seed, sp1, key = inp
@@ -184,7 +185,31 @@ def prefill_chunk(spec: PrefillSpec, tparams, dparams, state: SlotState, inp: Pr
         prop_probs=_put_slot(state.prop_probs, prop.probs.astype(jnp.float32), slot),
         prop_conf=_put_slot(state.prop_conf, conf, slot),
     )
-    return state, first[0], conf[0]
+    return state, jnp.where(chunk_finite(logits, out.hidden, n_valid), first[0], -1), conf[0]
+
+
+def chunk_finite(logits_1xV, hidden_1xCxH, n_valid):
+    """Whether a prefill chunk's valid hidden states and its last logits are finite (else the
+    chunk reports first token -1 and the request ends with an error: a non-finite K/V entry is
+    read as 0 by later positions, `models.layers`, so the NaN must be caught where it arises)."""
+    valid = jnp.arange(hidden_1xCxH.shape[1])[None, :, None] < n_valid
+    return jnp.all(jnp.isfinite(logits_1xV)) & jnp.all(jnp.isfinite(hidden_1xCxH) | ~valid)
+
+
+def finite_rows(logits_NxGxV, num_accepted_N, lengths_N, probs_NxGxV=None):
+    """[N] bool: every value a row's verification read is finite: the target's logits at
+    positions 0..A (the accepted drafts' and the bonus token's; a rejected draft's later logits
+    are never read) and, when sampling, the draft distributions of the verified drafts up to the
+    first rejected one. A row that fails it reports num_accepted -1 and emits nothing (its
+    request ends with an error, `engine.commit`); no other row's values depend on it."""
+    ok = jnp.all(jnp.isfinite(logits_NxGxV), axis=-1)  # [N, γ+1]
+    i = jnp.arange(ok.shape[1])[None, :]
+    ok = jnp.all(ok | (i > num_accepted_N[:, None]), axis=1)
+    if probs_NxGxV is None:
+        return ok
+    read = (i[:, :-1] <= num_accepted_N[:, None]) & (i[:, :-1] < lengths_N[:, None])  # [N, γ]
+    q_ok = jnp.all(jnp.isfinite(probs_NxGxV), axis=-1) | ~read
+    return ok & jnp.all(q_ok, axis=1)
 
 
 def pack_indices(lengths_N, active_N, num_tokens: int):
@@ -256,8 +281,9 @@ def finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, 
     rounds = state.rounds + active_N.astype(jnp.int32)
     prop = drafters.propose(dcfg, dparams, ctx, anchor, key, seeds_N, sp, scfg, rounds_B=rounds)
     conf = _conf_or_zeros(prop, n, g)
-    emitted = jnp.where((i <= a[:, None]) & active_N[:, None], next_tokens, -1)
+    ok = finite_rows(logits, a, lengths_N, probs)
+    emitted = jnp.where((i <= a[:, None]) & (active_N & ok)[:, None], next_tokens, -1)
     new_state = SlotState(
         cache, ctx, anchor, rounds, prop.tokens, prop.probs.astype(jnp.float32), conf
     )
-    return new_state, RoundOut(emitted, a, conf)
+    return new_state, RoundOut(emitted, jnp.where(ok, a, -1), conf)

@@ -35,6 +35,7 @@ from dspark_jax.engine.device import (
     _conf_or_zeros,
     _put_slot,
     _take_slot,
+    chunk_finite,
     finish_round,
     pack_indices,
 )
@@ -129,7 +130,8 @@ def paged_prefill_chunk(spec: PrefillSpec, tparams, dparams, state: PagedState, 
         prop_probs=_put_slot(state.prop_probs, prop.probs.astype(jnp.float32), slot),
         prop_conf=_put_slot(state.prop_conf, conf, slot),
     )
-    return state, first[0], conf[0]
+    ok = chunk_finite(logits, out.hidden, n_valid)  # else first -1 (`device.prefill_chunk`)
+    return state, jnp.where(ok, first[0], -1), conf[0]
 
 
 def paged_verify(tcfg, dcfg, num_tokens, tparams, state, lengths_N, active_N, tables, *,

@@ -172,7 +172,7 @@ class PagedRunner(RoundRunner):
         resume = getattr(req, "resume", None)
         anchor, rounds = (-1, 0) if resume is None else resume[1:]
         table = self.programs.tables_fn  # the slot table's, set by the engine
-        start, big = 0, c.prompt_buckets[-1]
+        start, big, firsts = 0, c.prompt_buckets[-1], []
         while start < len(p):
             n = min(big, len(p) - start)
             size = bucket_up(n, c.prompt_buckets)
@@ -189,8 +189,9 @@ class PagedRunner(RoundRunner):
             tab = table(_width(cache_len, c.page_size))[req.slot : req.slot + 1]
             inp = pdev.PagedPrefillInputs(base, tab, np.int32(anchor), np.int32(rounds))
             first, conf = self.programs.step_prefill(inp, mode=mode, cache_len=cache_len)
+            firsts.append(first)
             start += n
-        return first, conf
+        return firsts, conf  # `stepping._first` reads them
 
 
 def paged_objects(tcfg, dcfg, tparams, dparams, config, mesh):

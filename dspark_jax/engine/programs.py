@@ -12,6 +12,9 @@ Each program takes a static spec (configs, sampling mode, buckets: `device.Prefi
 state; the `step_*` calls run on the held state (`self.state`). `snapshot()` copies the state (a
 timer restarts a donated chain from it); `set_timer(fn)` blocks every call on its outputs and
 reports `fn(program, ms, outputs)`, which is how eval/speed.py and benchmarks time them.
+`set_fault(fn)` runs every call as `fn(program, run)` (tests inject device errors through it:
+raise before `run()`, or after it, when the donated state is gone); `reset_state()` replaces a
+state a failed call consumed with a fresh one.
 
 The state and the key are created by a jitted function with their shardings (`out_shardings`),
 on the mesh by the logical-axis table (`engine.sharding`) or on the default device, so no array
@@ -38,6 +41,7 @@ from dspark_jax.engine.rounds import RoundsInputs, RoundsSpec
 from dspark_jax.xla_cpu import engine_compiler_options
 
 Timer = Callable[[str, float, object], None]
+Fault = Callable[[str, Callable[[], tuple]], tuple]
 
 
 def _default_device():
@@ -74,7 +78,7 @@ class EnginePrograms:
 
     def __init__(self, tcfg, dcfg, tparams, dparams, config: EngineConfig, mesh=None):
         self.tcfg, self.dcfg, self.config, self.mesh = tcfg, dcfg, config, mesh
-        init = self._state_init()
+        self._init = init = self._state_init()
 
         if mesh is None:
             state_sh = repl = jax.sharding.SingleDeviceSharding(_default_device())
@@ -86,6 +90,7 @@ class EnginePrograms:
             state_sh = state_shardings(jax.eval_shape(init), mesh)
             repl = parallel.replicated(mesh)
         self.tparams, self.dparams = tparams, dparams
+        self._state_sh = state_sh
         self.state: dev.SlotState = _created(init, state_sh)
         self.key = _created(lambda: jax.random.key(config.root_seed), repl)
         # (target, drafter) params as the programs take them: flattened once, not per call
@@ -99,6 +104,7 @@ class EnginePrograms:
             state_sh = repl = None
         self._prefill, self._round, self._rounds = self._jit_programs(state_sh, repl)
         self._timer: Timer | None = None
+        self._fault: Fault | None = None
 
     def _state_init(self):
         """The function that creates the state (a subclass's layout overrides it)."""
@@ -139,6 +145,11 @@ class EnginePrograms:
         return self._call("rounds", self._rounds, self.rounds_spec(mode), state, inputs)
 
     def _call(self, name, fn, spec, state, inputs):
+        if self._fault is not None:
+            return self._fault(name, lambda: self._timed(name, fn, spec, state, inputs))
+        return self._timed(name, fn, spec, state, inputs)
+
+    def _timed(self, name, fn, spec, state, inputs):
         if self._timer is None:
             return fn(spec, *self.params, state, inputs)
         t0 = time.perf_counter()
@@ -166,6 +177,15 @@ class EnginePrograms:
         """`timer(program, ms, outputs)` after every call ("prefill", "round", "rounds"), each
         blocked on its outputs; None: calls are asynchronous again."""
         self._timer = timer
+
+    def set_fault(self, fault: Fault | None) -> None:
+        """Run every call as `fault(program, run)` ("prefill", "round", "rounds"; `run()` makes
+        the call and returns its outputs): a test's way to inject a device error. None: off."""
+        self._fault = fault
+
+    def reset_state(self) -> None:
+        """A fresh state (every slot empty) in place of one a failed call consumed."""
+        self.state = _created(self._init, self._state_sh)
 
     def snapshot(self, state=None) -> dev.SlotState:
         """A copy of `state` (default: the held state) that no call donates."""

@@ -72,6 +72,7 @@ class Delta:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"
     stats: SpecStats
+    error: str | None = None  # with "error": what failed (`engine.faults`)
 
 
 @dataclasses.dataclass
@@ -85,6 +86,7 @@ class RequestOutput:
     proposed: list[int]  # per round: verified length n (= A when it ended on a stop draft)
     eos: list[bool]  # per round: ended on an accepted stop draft (no bonus)
     conf_logits: list[np.ndarray]  # per round: raw confidence logits [γ] (empty w/o a head)
+    error: str | None = None  # with finish_reason "error": what failed (`engine.faults`)
 
 
 @dataclasses.dataclass
@@ -104,6 +106,7 @@ class EngineMetrics:
     compilations: int
     requests_submitted: int
     requests_rejected: int
+    requests_errored_by_cause: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class RequestHandle:

@@ -38,7 +38,7 @@ MAX_STOP_IDS = 8  # stop ids per request the device checks; more -> one round pe
 
 class RoundsOut(NamedTuple):
     emitted: jax.Array  # [K, N, γ+1] committed tokens per round (-1 past A+1 / inactive)
-    num_accepted: jax.Array  # [K, N]
+    num_accepted: jax.Array  # [K, N] (-1: non-finite logits, `device.finite_rows`)
     lengths: jax.Array  # [K, N] verified drafts per round
     next_conf: jax.Array  # [K, N, γ] raw confidence logits of the block pending after round k
     count: jax.Array  # [] rounds run (1..K; the rest of the arrays is padding)
@@ -122,13 +122,14 @@ def _verify(spec: RoundsSpec, tparams, state, lengths, active):
 
 
 def _finished(ro: dev.RoundOut, inp: RoundsInputs, room):
-    """[N] rows that finish in this round: a committed stop id, or the token budget reached."""
+    """[N] rows that finish in this round: a committed stop id, the token budget reached, or
+    non-finite logits (the host ends the request with an error)."""
     a = ro.num_accepted
     i = jnp.arange(ro.emitted.shape[1])[None, :]
     stop = inp.stop[:, None, :]
     hit = (ro.emitted[:, :, None] == stop) & (stop >= 0)
     hit = jnp.any(hit & (i <= a[:, None])[:, :, None], axis=(1, 2))
-    return inp.active & (hit | (a + 1 >= room))
+    return inp.active & (hit | (a + 1 >= room) | (a < 0))  # a < 0: non-finite logits
 
 
 def packed_rounds(spec: RoundsSpec, tparams, dparams, state: dev.SlotState, inp: RoundsInputs):

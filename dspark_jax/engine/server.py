@@ -19,6 +19,10 @@ Contract:
   request is cancelled in the engine as soon as one is found;
 * a client that disconnects (streaming or not) has its request cancelled, which frees its slot
   at the engine's next round;
+* a request that fails inside the engine (non-finite logits, a device error, out of memory) or
+  whose tokens the tokenizer cannot decode ends with a 500 OpenAI error body naming the cause,
+  or, once streaming, a final error event; the other requests are unaffected and
+  `dspark:request_errors` counts it by cause (`engine.faults`);
 * every response carries `usage` and, next to it, `spec_stats` (rounds, drafted, verified,
   accepted tokens and the mean accepted length of this request); streams end with
   `data: [DONE]`.
@@ -40,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark_jax.engine import faults
 from dspark_jax.engine.http_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -315,6 +320,7 @@ class _Run:
         self.stop_ids = set(stop_ids)
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
+        self.error = faults.message("internal")  # the message of finish_reason "error"
         self.stats = None
         self._last = None
         self._engine_done = False
@@ -348,7 +354,11 @@ class _Run:
                 shown = toks
                 if d.finished and d.finish_reason == "stop" and toks[-1] in self.stop_ids:
                     shown = toks[:-1]  # the stop token is not part of the text
-                text, hit = self.stops.push(self.detok.add(shown))
+                try:
+                    text, hit = self.stops.push(self.detok.add(shown))
+                except Exception as e:  # noqa: BLE001 - the tokenizer's own error types
+                    self._detok_failed(e)
+                    return
                 if hit:
                     self.finish_reason = "stop"
                     if not d.finished:
@@ -357,14 +367,29 @@ class _Run:
                     yield text, toks
             if d.finished:
                 self._engine_done = True
+                if d.error is not None:
+                    self.error = d.error
                 if self.finish_reason is None:
                     self.finish_reason = d.finish_reason or "stop"
-                    tail, _ = self.stops.push(self.detok.flush())
+                    try:
+                        tail, _ = self.stops.push(self.detok.flush())
+                    except Exception as e:  # noqa: BLE001 - the tokenizer's own error types
+                        self._detok_failed(e)
+                        return
                     tail += self.stops.flush()
                     if tail:
                         yield tail, []
                 break
         self._record({"cancelled": "abort"}.get(self.finish_reason, self.finish_reason))
+
+    def _detok_failed(self, exc: BaseException) -> None:
+        """The tokenizer raised on this request's tokens: end it in the engine with an error
+        (frees its slot; counted as "detokenize", also when the engine had finished it), the
+        other requests unaffected."""
+        self.st.engine.fail(self.handle.id, "detokenize", type(exc).__name__)
+        self.finish_reason = "error"
+        self.error = faults.message("detokenize", type(exc).__name__)
+        self._record("error")
 
     async def _next(self, deltas):
         """The next delta; TimeoutError once `request_timeout_s` since arrival has passed."""
@@ -442,7 +467,7 @@ async def _unary(run: _Run, request: Request, base, req, prompt_len, *, chat: bo
     gone.cancel()
     text = work.result()
     if run.finish_reason == "error":
-        raise APIError(500, "the engine failed while generating this request")
+        raise APIError(500, run.error)
     if run.finish_reason == "timeout":
         raise run.timeout_error()
     choice = _choice(chat, text, _public_reason(run.finish_reason), delta=False)
@@ -478,8 +503,8 @@ async def _sse_stream(run: _Run, base, req, prompt_len, *, chat: bool):
             yield _sse(dict(base, choices=[choice], usage=None))
         finished = True
         if run.finish_reason == "error":
-            yield _sse({"error": {"message": "the engine failed while generating this request",
-                                  "type": "internal_server_error", "code": 500}})  # fmt: skip
+            yield _sse({"error": {"message": run.error, "type": "internal_server_error",
+                                  "code": 500}})  # fmt: skip
         elif run.finish_reason == "timeout":
             err = run.timeout_error()
             yield _sse({"error": {"message": err.message, "type": err.kind, "code": 504}})

@@ -7,7 +7,8 @@ the ones vLLM lacks use a `dspark:` prefix. Two sources:
   generation tokens, finished requests by reason, rejected requests by reason;
 * read from `engine.metrics()` at scrape time (a custom collector, so the exported counters are
   exactly the engine's, never a second bookkeeping): queue length, running slots, drafted /
-  verified / accepted tokens, accepted tokens per draft position, verified tokens per round.
+  verified / accepted tokens, accepted tokens per draft position, verified tokens per round,
+  requests ended with an error by cause.
 """
 
 from __future__ import annotations
@@ -131,6 +132,15 @@ class _EngineCollector:
         for i, n in enumerate(m.get("accepted_per_position", ()) or ()):
             per_pos.add_metric([self._model, str(i)], float(n))
         yield per_pos
+        errors = CounterMetricFamily(
+            "dspark:request_errors",
+            "Requests that ended with finish_reason error, by cause (engine.faults): nonfinite "
+            "(NaN/Inf logits), oom, device (a failed device call), detokenize, internal.",
+            labels=["model_name", "cause"],
+        )  # fmt: skip
+        for cause, n in sorted((m.get("requests_errored_by_cause") or {}).items()):
+            errors.add_metric([self._model, cause], float(n))
+        yield errors
         yield from _per_round_histogram(m.get("verified_per_round"), self._model)
 
 

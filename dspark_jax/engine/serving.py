@@ -22,6 +22,9 @@ buckets, long prompts in chunks), run one packed round (or, with `rounds_per_cal
 policy the device computes, up to K device-resident rounds in one call, `engine.rounds`) and
 commit on the host. The host reads the device once per call. Output does not depend on K.
 
+Faults (`engine.faults`): a request whose logits turn non-finite, or whose prefill or round
+raises on the device, ends with finish_reason "error" (counted by cause); the others go on.
+
 Exactness: every draw is keyed by (stream, request seed, position) (`spec.rng`), draft noise also
 by the request's round counter, so a request's output does not depend on its slot, its admission
 time or the other requests. Greedy output equals `models.generate.generate` token for token.
@@ -39,6 +42,7 @@ import numpy as np
 from dspark_jax.compat import check_cost_profile, check_drafter_dtype
 from dspark_jax.drafters.api import share_target_tables
 from dspark_jax.drafters.compat import check_fits
+from dspark_jax.engine import faults
 from dspark_jax.engine.commit import Committer, EngineCounters
 from dspark_jax.engine.compiles import CompileTally
 from dspark_jax.engine.config import MODES, EngineConfig
@@ -240,6 +244,7 @@ class ServingEngine:
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[Delta]:
+        """One step; a fault inside it ends only the requests it touched (`_device_fault`)."""
         with self._step_lock, self._tally:
             deltas: list[Delta] = []
             with self._lock:
@@ -248,28 +253,73 @@ class ServingEngine:
                     return deltas
                 for req in self.slots.running():
                     if req.cancel_requested:
-                        deltas.append(self._committer.finish(req, [], "cancelled"))
+                        deltas.append(self._retire(req))
                 if self._paged:  # grow the running requests' pages; preempt if out of pages
                     k = self.config.rounds_per_call if self._runner.device_policy() else 1
                     self.slots.preempt(k)
                 admitted = self.slots.admit()
             if admitted:
-                firsts = self._runner.prefill(admitted)
-                with self._lock:
-                    if self._paged:  # resumed requests emitted their anchor already
-                        from dspark_jax.engine.paged_engine import split_resumed
-
-                        admitted, firsts = split_resumed(admitted, firsts, self.slots)
-                    deltas += self._committer.admitted(admitted, firsts)
+                deltas += self._prefill(admitted)
             if self._paged and self.config.rounds_per_call > 1:
                 with self._lock:  # the K rounds' pages of the requests admitted just now
                     self.slots.preempt(k)
             running = self.slots.running()
             if running:
-                outs = self._runner.run(running, self.slots.conf)
+                try:
+                    outs = self._runner.run(running, self.slots.conf)
+                except faults.HOST_ERRORS:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a device fault: see _device_fault
+                    return deltas + self._device_fault(e, running)
                 with self._lock:
                     deltas += self._committer.rounds(running, *outs)
             return deltas
+
+    def _retire(self, req: Request) -> Delta:
+        if req.fail_cause is not None:
+            return self._committer.fail(req, req.fail_cause)
+        return self._committer.finish(req, [], "cancelled")
+
+    def _prefill(self, admitted: list[Request]) -> list[Delta]:
+        """Prefill the admitted requests. One whose device call raised ends with an error
+        (`_device_fault`: out of memory on admission ..), as does one whose prompt's values are
+        not finite (first token -1, `device.chunk_finite`)."""
+        try:
+            firsts = self._runner.prefill(admitted)
+        except faults.HOST_ERRORS:
+            raise
+        except Exception as e:  # noqa: BLE001 - reading the results failed: all of them
+            return self._device_fault(e, admitted)
+        deltas = []
+        for r, f in zip(admitted, firsts):
+            if isinstance(f, Exception):
+                deltas += self._device_fault(f, [r])
+        with self._lock:
+            kept = [(r, f) for r, f in zip(admitted, firsts) if not r.done]
+            deltas += [self._committer.fail(r, "nonfinite", "at admission")
+                       for r, (first, _) in kept if first < 0]  # fmt: skip
+            kept = [(r, f) for r, f in kept if not r.done]
+            admitted, firsts = [r for r, _ in kept], [f for _, f in kept]
+            if self._paged:  # resumed requests emitted their anchor already
+                from dspark_jax.engine.paged_engine import split_resumed
+
+                admitted, firsts = split_resumed(admitted, firsts, self.slots)
+            return deltas + self._committer.admitted(admitted, firsts)
+
+    def _device_fault(self, exc: BaseException, touched: list[Request]) -> list[Delta]:
+        """A device call (prefill or round) raised: the requests it ran for (`touched`) end
+        with an error ("oom" or "device", `engine.faults`) and free their slots and pages. If
+        the call consumed the state (its donated buffers, or buffers holding the error), the
+        state is rebuilt empty and every other request holding a slot ends with an error too
+        (its K/V is gone; it is not recomputed). Queued requests and new ones are served."""
+        cause = faults.device_cause(exc)
+        detail = type(exc).__name__
+        with self._lock:
+            victims = [r for r in touched if not r.done]
+            if faults.state_lost(self.programs.state):
+                self.programs.reset_state()
+                victims += [r for r in self.slots.running() if r not in victims]
+            return [self._committer.fail(r, cause, detail) for r in victims]
 
     # ---- driving -----------------------------------------------------------------------------
 
@@ -313,11 +363,34 @@ class ServingEngine:
         self._loop.start()
 
     def _fail_all(self, why: str) -> None:
+        """An unexpected exception in a step (host code): every request ends with an error
+        ("internal"); a consumed state is rebuilt, so the engine serves new requests."""
         with self._lock:
             for r in list(self.slots.queue) + self.slots.running():
                 if r.slot is None:
                     self.slots.queue.remove(r)
-                self._committer.finish(r, [], "error")
+                self._committer.fail(r, "internal")
+            if faults.state_lost(self.programs.state):
+                self.programs.reset_state()
+
+    def fail(self, request_id: str, cause: str, detail: str = "") -> None:
+        """End a queued or running request with an error for `cause` (`engine.faults.CAUSES`;
+        the server's "detokenize"); its slot is freed at the next round. A request the engine
+        has finished already (its output ended with another reason) is still counted: its
+        caller gets the error."""
+        if cause not in faults.CAUSES:
+            raise ValueError(f"unknown error cause {cause!r}; one of {faults.CAUSES}")
+        with self._lock:
+            req = self.slots.find(request_id)
+            if req is None or req.done:
+                self._counters.errors_by_cause[cause] += 1
+                return
+            if req.slot is None:
+                self.slots.queue.remove(req)
+                self._committer.fail(req, cause, detail)
+            else:
+                req.cancel_requested, req.fail_cause = True, cause
+            self._work.notify_all()
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting requests; finish (drain) or cancel the others; stop the thread."""

@@ -27,6 +27,7 @@ class Request:
     eos: list[bool] = dataclasses.field(default_factory=list)
     conf_logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     cancel_requested: bool = False
+    fail_cause: str | None = None  # with cancel_requested: end with "error" (`engine.faults`)
     done: bool = False
 
     def __post_init__(self):

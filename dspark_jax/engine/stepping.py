@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from dspark_jax.buckets import bucket_up
+from dspark_jax.engine import faults
 from dspark_jax.engine import rounds as rounds_lib
 from dspark_jax.engine.config import EngineConfig, sampling_rows
 from dspark_jax.engine.device import PrefillInputs, RoundInputs
@@ -29,6 +30,13 @@ from dspark_jax.engine.scheduling import Scheduler
 from dspark_jax.engine.slots import Request
 
 
+def _first(chunk_firsts, conf) -> tuple[int, object]:
+    """(first token, conf) from a prompt's chunks' firsts (host values; the last chunk's is
+    the token): -1 if any chunk's values were not finite (`device.chunk_finite`)."""
+    bad = min(int(f) for f in chunk_firsts) < 0
+    return (-1 if bad else int(chunk_firsts[-1])), conf
+
+
 class RoundRunner:
     def __init__(self, config: EngineConfig, programs: EnginePrograms, scheduler: Scheduler):
         self.config, self.programs, self.scheduler = config, programs, scheduler
@@ -37,18 +45,26 @@ class RoundRunner:
     def set_scheduler(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
 
-    def prefill(self, admitted: list[Request]) -> list[tuple]:
-        """Each admitted request's prompt into its slot; (first token, conf [γ]) per request."""
+    def prefill(self, admitted: list[Request]) -> list:
+        """Each admitted request's prompt into its slot: per request (first token, conf [γ]),
+        or the exception its device call raised (the others still run; one read for all)."""
         outs = []
         for req in admitted:
             mode = self.config.mode_for([req.params])
             sp1 = sampling_rows([req.params], mode)
-            outs.append(self._prefill_one(req, mode, sp1))
-        return jax.device_get(outs)
+            try:
+                outs.append(self._prefill_one(req, mode, sp1))
+            except faults.HOST_ERRORS:
+                raise
+            except Exception as e:  # noqa: BLE001 - the engine ends this request (faults)
+                outs.append(e)
+        got = jax.device_get([o for o in outs if not isinstance(o, Exception)])[::-1]
+        return [o if isinstance(o, Exception) else _first(*got.pop()) for o in outs]
 
     def _prefill_one(self, req: Request, mode: str, sp1):
         c, p = self.config, req.prompt
         start, big = 0, c.prompt_buckets[-1]
+        firsts = []
         while start < len(p):
             n = min(big, len(p) - start)
             size = bucket_up(n, c.prompt_buckets)
@@ -63,8 +79,9 @@ class RoundRunner:
                                 self.programs.key)  # fmt: skip
             cache_len = c.prefill_cache_len(start + size)
             first, conf = self.programs.step_prefill(inp, mode=mode, cache_len=cache_len)
+            firsts.append(first)
             start += n
-        return first, conf
+        return firsts, conf  # `_first` reads them
 
     def run(self, running: list[Request], pending_conf: np.ndarray):
         """One step's round(s) over the running requests: (lens, emitted, acc, conf), [k, N, ...]

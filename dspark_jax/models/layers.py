@@ -216,6 +216,11 @@ class Attention(nnx.Module):
         if self.shape is not None and self.shape.v_norm:
             v = rms_normalize(v, self.cfg.rms_norm_eps)
         k = apply_rope(k, positions_BxT, self.inv_freq())
+        # a non-finite K/V entry is stored as 0: masked attention weights are exact zeros, and
+        # 0 x NaN would spread one faulty row into every row (and later request) that shares
+        # the product; the faulty row's own query and output stay non-finite (the engine's
+        # `device.finite_rows` ends it). The identity on finite values.
+        k, v = (jnp.where(jnp.isfinite(x), x, 0) for x in (k, v))
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
