@@ -6,7 +6,8 @@ programs in the same order, as SPMD programs over a global mesh require.
 
 At the start of each step the leader's engine sends, by a broadcast from process 0, what changed
 on its host since the previous step: the requests submitted (in order, each with the seed it
-drew) and the cancellations. A follower applies them to its own engine, then steps it. From
+drew), the cancellations and the requests ended with an error on the host (a token the
+tokenizer cannot decode). A follower applies them to its own engine, then steps it. From
 there every host-side choice (admission, the scheduler's prefix, the commit) depends only on
 that state and on the round's outputs, which every process reads alike, so the engines stay in
 lockstep: same request ids, same slots, same programs. A request that times out on the leader
@@ -52,9 +53,12 @@ def _broadcast(message: dict | None) -> dict:
 class Mirror:
     """Keeps the engines of all processes in lockstep (see the module docstring)."""
 
-    def __init__(self, engine, tick_s: float = 1.0):
+    def __init__(self, engine, tick_s: float = 1.0, *, leader=None, channel=None):
+        """`leader` (default: process 0) and `channel` (default: a broadcast from process 0;
+        any `message -> message` function, e.g. two engines in one process for a test)."""
         self.engine, self.tick_s = engine, tick_s
-        self.leader = jax.process_index() == 0
+        self.leader = jax.process_index() == 0 if leader is None else leader
+        self._channel = channel or _broadcast
         self._events: list = []
         self._stopping = False
         self._ticker: threading.Thread | None = None
@@ -71,6 +75,10 @@ class Mirror:
         if self.leader:
             self._events.append(["cancel", request_id])
 
+    def failed(self, request_id: str, cause: str, detail: str) -> None:
+        if self.leader:
+            self._events.append(["fail", request_id, cause, detail])
+
     # ---- every step ------------------------------------------------------------------------------
 
     def sync(self) -> bool:
@@ -78,7 +86,7 @@ class Mirror:
         follower applies it. Returns False on the stop message (followers end)."""
         msg = {"events": self._events, "stop": self._stopping} if self.leader else None
         self._events = []
-        got = _broadcast(msg)
+        got = self._channel(msg)
         if not self.leader:
             for ev in got["events"]:
                 self._apply(ev)
@@ -92,8 +100,10 @@ class Mirror:
             handle = eng.submit(prompt, RequestParams(**p))
             if handle.id != rid:
                 raise RuntimeError(f"engines out of step: {handle.id} != {rid} (leader)")
-        else:
+        elif ev[0] == "cancel":
             eng.cancel(ev[1])
+        else:
+            eng.fail(*ev[1:])
 
     # ---- driving ---------------------------------------------------------------------------------
 

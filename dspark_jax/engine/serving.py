@@ -385,6 +385,8 @@ class ServingEngine:
             if req is None or req.done:
                 self._counters.errors_by_cause[cause] += 1
                 return
+            if self.mirror is not None:
+                self.mirror.failed(request_id, cause, detail)
             if req.slot is None:
                 self.slots.queue.remove(req)
                 self._committer.fail(req, cause, detail)
@@ -397,6 +399,9 @@ class ServingEngine:
         with self._lock:
             self._closed = True
             if not drain:
+                if self.mirror is not None:  # the followers cancel the same requests
+                    for r in list(self.slots.queue) + self.slots.running():
+                        self.mirror.cancelled(r.id)
                 for r in list(self.slots.queue):
                     self.slots.queue.remove(r)
                     self._committer.finish(r, [], "cancelled")
