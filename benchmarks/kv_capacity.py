@@ -2,13 +2,14 @@
 
 Both engines hold the same number of K/V positions: the slot engine `--slots` slots of
 `--max-len` positions each, the paged engine a pool of `--slots * --max-len / --page` pages
-shared by `--paged-slots` rows. The workload is mostly short requests plus one long one (a
-prompt near max_len), all greedy, submitted at once; both engines run it to the end after a
+shared by `--paged-slots` rows. The workload (seeded): `--requests - 1` prompts of 64..6000
+tokens, Zipf-like (most short, a few long), plus one prompt of `--long` tokens (>= 8000 at the
+default max_len 8192), all greedy, submitted at once; both engines run it to the end after a
 warm-up. Random weights (the tiny 4-layer target and a 1-layer DSpark drafter): acceptance is
 low, only memory, concurrency and throughput are compared.
 
-    python benchmarks/kv_capacity.py [--max-len 512] [--slots 2] [--paged-slots 8]
-                                     [--requests 12] [--page 16]
+    python benchmarks/kv_capacity.py [--max-len 8192] [--slots 2] [--paged-slots 8]
+                                     [--requests 24] [--page 16] [--long 8000]
 
 Prints ONE JSON object: `config`, `slots` / `paged` (tokens, seconds, tokens_per_s,
 max_concurrent, retraces_after_warmup, and for paged preemptions, peak_used_pages,
@@ -48,10 +49,11 @@ def _models(max_len):
     return tcfg, tp, dcfg, drafters.init_params(dcfg, seed=1, target_params=tp)
 
 
-def _workload(n, max_len, max_new, rng):
-    """n - 1 short prompts (8..48 tokens) and one long prompt (max_len - max_new - γ - 1)."""
-    long = max_len - max_new - GAMMA - 1
-    lens = [int(x) for x in rng.integers(8, 49, n - 1)] + [long]
+def _workload(n, long, rng, lo=64, hi=6000):
+    """n - 1 prompts of lo..hi tokens, Zipf-like (lo·k, k ~ Zipf(1.5): 38% are lo, 8% hi), and
+    one of `long` tokens placed in the middle of the queue."""
+    lens = [int(min(hi, lo * k)) for k in rng.zipf(1.5, n - 1)]
+    lens.insert((n - 1) // 2, long)
     return [[int(t) for t in rng.integers(0, 250, m)] for m in lens]
 
 
@@ -78,17 +80,20 @@ def _run(eng, prompts, max_new):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=8192)
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--paged-slots", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--long", type=int, default=8000, help="the longest prompt's tokens")
     a = ap.parse_args(argv)
     tcfg, tp, dcfg, dp = _models(a.max_len)
-    prompts = _workload(a.requests, a.max_len, a.max_new, np.random.default_rng(0))
-    common = dict(max_len=a.max_len, prompt_buckets=(16, 64), token_buckets=(8, 16, 40),
-                  cache_buckets=(128, a.max_len), modes=("greedy",))  # fmt: skip
+    top = a.max_len - a.max_new - GAMMA - 1  # longer prompts do not fit a slot: refused
+    prompts = _workload(a.requests, min(a.long, top), np.random.default_rng(0), hi=min(6000, top))
+    caches = (512, 2048, a.max_len) if a.max_len > 2048 else (a.max_len // 4, a.max_len)
+    common = dict(max_len=a.max_len, prompt_buckets=(64, 512), token_buckets=(8, 20, 40, 80),
+                  cache_buckets=caches, modes=("greedy",))  # fmt: skip
     num_pages = a.slots * a.max_len // a.page  # equal KV memory
     slots_eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=a.slots, **common)
     paged_eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=a.paged_slots, kv_layout="paged",

@@ -96,16 +96,18 @@ def test_paged_sampled_equals_slot_engine(pair):
 @pytest.mark.parametrize("modes", [("greedy",), ("filtered",)])
 def test_preemption_changes_no_token(pair, modes):
     """A pool of 12 pages of 8 (96 positions for 3 slots) forces preemptions by recompute; the
-    tokens equal a large pool's."""
+    tokens equal a large pool's, and (batch invariance, issue 39 item 4: T = 0.8, top-p 0.9 in
+    "filtered") the tokens of the same seeded requests served one at a time."""
     params = _sampled_params() if modes == ("filtered",) else None
     big = _engine(pair, modes=modes)
     small = _engine(pair, modes=modes, num_pages=12)
     a = _run_staggered(big, [0, 1, 2, 3, 4], params)
     b = _run_staggered(small, [0, 1, 2, 3, 4], params)
+    alone = [_run_staggered(big, [i], params)[i] for i in range(len(PROMPTS))]
     assert small.page_pool.preemptions > 0
     assert big.page_pool.preemptions == 0
     for i in range(len(PROMPTS)):
-        assert a[i].tokens == b[i].tokens, (modes, i)
+        assert a[i].tokens == b[i].tokens == alone[i].tokens, (modes, i)
     small.page_pool.check()
     assert small.page_pool.used_pages == 0
 
@@ -169,5 +171,37 @@ def test_paged_device_rounds_equal_plain_decoding(pair, refs, num_pages):
             assert outs[i].tokens == ref, (policy, num_pages, i)
     assert eng.compilations == n
     assert (eng.page_pool.preemptions > 0) == (num_pages == 12)
+    eng.page_pool.check()
+    assert eng.page_pool.used_pages == 0
+
+
+def test_pages_all_free_after_1000_mixed_requests_with_cancellations(pair, refs):
+    """1000 short requests (prefixes of the reference prompts' outputs, 1..12 new tokens, one in
+    ten up to 40), about one in six cancelled while queued or running, on a pool small enough to preempt:
+    every other request gets plain greedy decoding's tokens and every page comes back."""
+    eng = _engine(pair, num_pages=12)
+    rng = np.random.default_rng(0)
+    handles, cancel_at, step = [], {}, 0
+    while len(handles) < 1000 or eng.has_work():
+        for _ in range(int(rng.integers(0, 3)) if len(handles) < 1000 else 0):
+            i = int(rng.integers(len(PROMPTS)))
+            m = MAX_NEW[i] if rng.random() < 0.1 else int(rng.integers(1, 13))  # some grow
+            h = eng.submit(PROMPTS[i], RequestParams(m, temperature=0.0))
+            handles.append((h, i, m))
+            if rng.random() < 1 / 6:
+                cancel_at.setdefault(step + int(rng.integers(0, 3)), []).append(h.id)
+        for rid in cancel_at.pop(step, []):
+            eng.cancel(rid)
+        eng.step()
+        step += 1
+    cancelled = 0
+    for h, i, m in handles:
+        out = h.result()
+        if out.finish_reason == "cancelled":
+            cancelled += 1
+        else:
+            assert out.tokens == refs[i][:m], (h.id, i, m)
+    assert 50 < cancelled < 300
+    assert eng.page_pool.preemptions > 0
     eng.page_pool.check()
     assert eng.page_pool.used_pages == 0
