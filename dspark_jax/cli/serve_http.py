@@ -59,6 +59,12 @@ def add_subcommands(sub) -> None:
     s.add_argument("--num-slots", type=int, default=8, help="concurrent requests on the device")
     s.add_argument("--max-len", type=int, default=1024, help="prompt + completion tokens, max")
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    s.add_argument("--kv-layout", default="slots", choices=("slots", "paged"),
+                   help="paged: K/V in a pool of pages, admission by free pages, preemption by "
+                        "recompute (one device for now)")  # fmt: skip
+    s.add_argument("--page-size", type=int, default=16, help="with --kv-layout paged")
+    s.add_argument("--num-pages", type=int, default=0,
+                   help="with --kv-layout paged (0: as many positions as --num-slots x --max-len)")  # fmt: skip
     s.add_argument("--seed", type=int, default=0, help="root seed of the engine's sampling")
     s.add_argument("--mesh", default="", metavar="DATA,FSDP,TENSOR",
                    help="device mesh, e.g. 1,1,8 = tensor parallel over 8 devices (default: all "
@@ -259,6 +265,7 @@ def build_engine(args):
         tcfg, dcfg, tparams, dparams, num_slots=args.num_slots, max_len=max_len,
         policy=policy, gamma=args.gamma, threshold=args.threshold, cost_profile=cost,
         sts=sts, max_queue=args.max_queue, root_seed=args.seed, mesh=mesh_from_flag(args.mesh),
+        kv_layout=args.kv_layout, page_size=args.page_size, num_pages=args.num_pages,
     )  # fmt: skip
     log.info("loaded %s (drafter %s, γ=%d, policy %s) in %.1f s",
              name, dcfg.kind, dcfg.block_size, policy, time.perf_counter() - t0)  # fmt: skip
