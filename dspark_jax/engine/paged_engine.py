@@ -24,7 +24,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from dspark_jax.buckets import bucket_up
 from dspark_jax.engine import paged_device as pdev
 from dspark_jax.engine.config import sampling_rows
 from dspark_jax.engine.device import PrefillInputs
@@ -166,32 +165,17 @@ def prompt_of(req: Request) -> list[int]:
 class PagedRunner(RoundRunner):
     """`RoundRunner` whose prefill writes into the request's pages and resumes preempted ones."""
 
-    def _prefill_one(self, req: Request, mode: str, sp1):
-        c = self.config
-        p = prompt_of(req)
+    def _prompt(self, req: Request) -> list[int]:
+        return prompt_of(req)
+
+    def _chunk_inputs(self, req: Request, inp: PrefillInputs, cache_len: int):
+        """The chunk's inputs with the slot's block table (the slot table's, `tables_fn`) and
+        the anchor / round counter a resumed request continues from."""
         resume = getattr(req, "resume", None)
         anchor, rounds = (-1, 0) if resume is None else resume[1:]
-        table = self.programs.tables_fn  # the slot table's, set by the engine
-        start, big, firsts = 0, c.prompt_buckets[-1], []
-        while start < len(p):
-            n = min(big, len(p) - start)
-            size = bucket_up(n, c.prompt_buckets)
-            toks = np.zeros(size, np.int32)
-            toks[:n] = p[start : start + n]
-            nxt = np.zeros(size, np.int32)
-            follow = p[start + 1 : start + n + 1]
-            nxt[: len(follow)] = follow
-            last = start + n == len(p)
-            base = PrefillInputs(np.int32(req.slot), toks, nxt, np.int32(start), np.int32(n),
-                                 np.bool_(last), np.uint32(req.seed), sp1,
-                                 self.programs.key)  # fmt: skip
-            cache_len = c.prefill_cache_len(start + size)
-            tab = table(_width(cache_len, c.page_size))[req.slot : req.slot + 1]
-            inp = pdev.PagedPrefillInputs(base, tab, np.int32(anchor), np.int32(rounds))
-            first, conf = self.programs.step_prefill(inp, mode=mode, cache_len=cache_len)
-            firsts.append(first)
-            start += n
-        return firsts, conf  # `stepping._first` reads them
+        width = _width(cache_len, self.config.page_size)
+        tab = self.programs.tables_fn(width)[req.slot : req.slot + 1]
+        return pdev.PagedPrefillInputs(inp, tab, np.int32(anchor), np.int32(rounds))
 
 
 def paged_objects(tcfg, dcfg, tparams, dparams, config, mesh):

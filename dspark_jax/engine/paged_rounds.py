@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from dspark_jax.engine import rounds as rounds_lib
 from dspark_jax.engine.paged_device import paged_finish, paged_verify
-from dspark_jax.engine.rounds import RoundsOut, RoundsSpec
+from dspark_jax.engine.rounds import RoundsSpec
 from dspark_jax.models.paged import PagedNewKV, write_new_kv
 
 
@@ -54,37 +54,10 @@ def paged_rounds(spec: RoundsSpec, tparams, dparams, state, inp):
     [N, B]); the loop ends after a round in which any row finishes. Returns (state,
     RoundsOut)."""
     inp, tables = inp
-    g = spec.dcfg.block_size
-    n = inp.active.shape[0]
-    k_max = spec.max_rounds
 
-    def body(carry):
-        k, state, room, outs, _ = carry
-        lengths = rounds_lib.device_lengths(state, inp.active, room, inp.gamma_p,
-                                            inp.use_threshold, inp.cuts)  # fmt: skip
+    def one_round(state, lengths):
         fwd = _verify(spec, tparams, state, lengths, inp.active, tables)
-        state, ro = paged_finish(spec.dcfg, spec.scfg, dparams, state, fwd, lengths, inp.active,
-                                 inp.seeds, inp.sampling, inp.key, tables)  # fmt: skip
-        done = rounds_lib._finished(ro, inp, room)
-        room = room - (ro.num_accepted + 1)
-        outs = RoundsOut(
-            outs.emitted.at[k].set(ro.emitted),
-            outs.num_accepted.at[k].set(ro.num_accepted),
-            outs.lengths.at[k].set(lengths),
-            outs.next_conf.at[k].set(ro.next_conf),
-            k + 1,
-        )
-        go = (k + 1 < jnp.minimum(inp.n_rounds, k_max)) & ~jnp.any(done)
-        return k + 1, state, room, outs, go
+        return paged_finish(spec.dcfg, spec.scfg, dparams, state, fwd, lengths, inp.active,
+                            inp.seeds, inp.sampling, inp.key, tables)  # fmt: skip
 
-    outs = RoundsOut(
-        jnp.full((k_max, n, g + 1), -1, jnp.int32),
-        jnp.zeros((k_max, n), jnp.int32),
-        jnp.zeros((k_max, n), jnp.int32),
-        jnp.zeros((k_max, n, g), jnp.float32),
-        jnp.int32(0),
-    )
-    room = jnp.asarray(inp.room, jnp.int32)
-    carry = (jnp.int32(0), state, room, outs, jnp.any(inp.active) & (inp.n_rounds > 0))
-    _, state, _, outs, _ = jax.lax.while_loop(lambda c: c[4], body, carry)
-    return state, outs
+    return rounds_lib.resident_loop(spec, state, inp, one_round)

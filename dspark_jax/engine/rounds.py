@@ -135,6 +135,19 @@ def _finished(ro: dev.RoundOut, inp: RoundsInputs, room):
 def packed_rounds(spec: RoundsSpec, tparams, dparams, state: dev.SlotState, inp: RoundsInputs):
     """Up to min(n_rounds, max_rounds) rounds over the active slots (`state` donated); the loop
     ends after a round in which any row finishes. Returns (state, RoundsOut)."""
+
+    def one_round(state, lengths):
+        fwd = _verify(spec, tparams, state, lengths, inp.active)
+        return dev.finish_round(spec.dcfg, spec.scfg, dparams, state, fwd, lengths, inp.active,
+                                inp.seeds, inp.sampling, inp.key)  # fmt: skip
+
+    return resident_loop(spec, state, inp, one_round)
+
+
+def resident_loop(spec: RoundsSpec, state, inp: RoundsInputs, one_round):
+    """The device loop of `packed_rounds` (and of the paged layout's): each round's lengths
+    from `device_lengths`, then `one_round(state, lengths) -> (state, RoundOut)`, until
+    `n_rounds` (at most `spec.max_rounds`) or a round in which a row finishes."""
     g = spec.dcfg.block_size
     n = inp.active.shape[0]
     k_max = spec.max_rounds
@@ -142,9 +155,7 @@ def packed_rounds(spec: RoundsSpec, tparams, dparams, state: dev.SlotState, inp:
     def body(carry):
         k, state, room, outs, _ = carry
         lengths = device_lengths(state, inp.active, room, inp.gamma_p, inp.use_threshold, inp.cuts)
-        fwd = _verify(spec, tparams, state, lengths, inp.active)
-        state, ro = dev.finish_round(spec.dcfg, spec.scfg, dparams, state, fwd, lengths,
-                                     inp.active, inp.seeds, inp.sampling, inp.key)  # fmt: skip
+        state, ro = one_round(state, lengths)
         done = _finished(ro, inp, room)
         room = room - (ro.num_accepted + 1)
         outs = RoundsOut(

@@ -62,7 +62,7 @@ class RoundRunner:
         return [o if isinstance(o, Exception) else _first(*got.pop()) for o in outs]
 
     def _prefill_one(self, req: Request, mode: str, sp1):
-        c, p = self.config, req.prompt
+        c, p = self.config, self._prompt(req)
         start, big = 0, c.prompt_buckets[-1]
         firsts = []
         while start < len(p):
@@ -78,10 +78,19 @@ class RoundRunner:
                                 np.bool_(last), np.uint32(req.seed), sp1,
                                 self.programs.key)  # fmt: skip
             cache_len = c.prefill_cache_len(start + size)
+            inp = self._chunk_inputs(req, inp, cache_len)
             first, conf = self.programs.step_prefill(inp, mode=mode, cache_len=cache_len)
             firsts.append(first)
             start += n
         return firsts, conf  # `_first` reads them
+
+    def _prompt(self, req: Request) -> list[int]:
+        """The tokens a request's prefill writes (a layout may resume with more)."""
+        return req.prompt
+
+    def _chunk_inputs(self, req: Request, inp: PrefillInputs, cache_len: int):
+        """One prefill chunk's program inputs (a layout may add its own, e.g. block tables)."""
+        return inp
 
     def run(self, running: list[Request], pending_conf: np.ndarray):
         """One step's round(s) over the running requests: (lens, emitted, acc, conf), [k, N, ...]
