@@ -1,4 +1,4 @@
-"""Settings that would quietly ruin acceptance, refused before any work (issue 42).
+"""Settings that would quietly ruin acceptance, refused before any work.
 
 One function per check; each raises one `ConfigError` naming the field and the fix. Called by
 the run-directory loaders (`run.rundir`, `train.checkpoint`), the HF drafter loader, the
@@ -22,14 +22,13 @@ import logging
 import os
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from dspark_jax import data as packaged_data
 from dspark_jax.errors import ConfigError
+from dspark_jax.sampling_knobs import check_sampling_knobs
 from dspark_jax.sched.cost import CostProfile
 from dspark_jax.sched.sts import STS
-from dspark_jax.spec.sampling import validate_sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +81,8 @@ def check_sts(sts: STS | None, gamma: int) -> None:
 def device_name() -> str:
     """The device a cost profile is measured on: platform, kind and count (e.g. `cpu:cpu x1`,
     `gpu:NVIDIA H200 x1`)."""
+    import jax  # here: the config check imports this module before jax loads
+
     devs = jax.devices()
     return f"{devs[0].platform}:{devs[0].device_kind} x{len(devs)}"
 
@@ -138,6 +139,8 @@ def load_cost_profile(path: str | os.PathLike) -> CostProfile:
 def check_drafter_dtype(dcfg, dparams) -> None:
     """Every floating parameter of the drafter in its config's dtype: heads loaded in another
     dtype (float16 confidence logits overflow; a cast copy is not what was trained) are refused."""
+    import jax  # here: the config check imports this module before jax loads
+
     want = np.dtype(jax.numpy.bfloat16 if dcfg.dtype == "bfloat16" else np.float32)
     bad = sorted(
         {
@@ -159,7 +162,7 @@ def check_sampling(field: str, temperature, top_k=0, top_p=1.0) -> None:
     """Sampling knobs of a configuration (`spec.sampling.validate_sampling_params`' ranges,
     the ones every request is held to), named by their config field."""
     try:
-        validate_sampling_params(temperature, top_k, top_p, on_host=True)
+        check_sampling_knobs(temperature, top_k, top_p)
     except ValueError as e:
         raise ConfigError(f"{field}: {e} — fix {field} in the config (or with --set)") from None
 

@@ -2,7 +2,9 @@
 jaxlib with the same results, and wired into the target's and the drafter trainer's steps; the
 unrolled threefry lowering: the same bits, given only where it applies."""
 
+import logging
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -116,9 +118,10 @@ def test_batch1_prefill_is_compiled_with_the_engines_option_and_batches_are_not(
     assert gen.generate(cfg, params, [[1, 2, 3]], max_new_tokens=12) == want
 
 
-def test_the_serving_engines_programs_are_compiled_with_its_option(monkeypatch):
+def test_the_serving_engines_programs_are_compiled_with_its_option(monkeypatch, caplog):
     """Prefill, one-round and K-round programs of a ServingEngine carry the engine's option (a
-    rejected one fails each of them), and with the real one greedy output is plain greedy's."""
+    rejected one fails each of them: the request ends with a device error, the log names XLA's
+    complaint), and with the real one greedy output is plain greedy's."""
     from dspark_jax.engine import ServingEngine
     from dspark_jax.engine import programs as programs_lib
     from dspark_jax.models.generate import generate
@@ -131,25 +134,30 @@ def test_the_serving_engines_programs_are_compiled_with_its_option(monkeypatch):
                              token_buckets=(5,), modes=("greedy",), rounds_per_call=k)  # fmt: skip
 
     def run(eng, prompt, n):
-        return eng.generate([prompt], max_new_tokens=n, temperature=0.0)[0].tokens
+        return eng.generate([prompt], max_new_tokens=n, temperature=0.0)[0]
+
+    def rejected(out):
+        bad = re.search("valid enum|NOT_A_FUSION_TYPE", caplog.text)
+        caplog.clear()
+        return out.finish_reason == "error" and "device failed" in out.error and bool(bad)
 
     real = programs_lib.engine_compiler_options()
     monkeypatch.setattr(programs_lib, "engine_compiler_options", lambda: BAD)
-    with pytest.raises(Exception, match="valid enum|NOT_A_FUSION_TYPE"):
-        run(engine(1), [3, 9, 1], 12)  # fails in prefill
+    caplog.set_level(logging.ERROR, logger="dspark_jax.engine.serving")
+    out = run(engine(1), [3, 9, 1], 12)  # fails in prefill
+    assert rejected(out) and out.tokens == []
     for k in (1, 4):  # with a prefill that compiles, in the one-round / K-round program
         # the option is read per program, prefill first: the real one for it only
         options = iter([real, BAD, BAD])
         monkeypatch.setattr(
             programs_lib, "engine_compiler_options", lambda options=options: next(options)
         )
-        eng = engine(k)
-        with pytest.raises(Exception, match="valid enum|NOT_A_FUSION_TYPE"):
-            run(eng, [3, 9, 1], 12)
+        assert rejected(run(engine(k), [3, 9, 1], 12))
     monkeypatch.setattr(programs_lib, "engine_compiler_options", lambda: real)
     for k in (1, 4):
         assert (
-            run(engine(k), [3, 9, 1], 12) == generate(tcfg, tp, [[3, 9, 1]], max_new_tokens=12)[0]
+            run(engine(k), [3, 9, 1], 12).tokens
+            == generate(tcfg, tp, [[3, 9, 1]], max_new_tokens=12)[0]
         )
 
 

@@ -33,6 +33,7 @@ time or the other requests. Greedy output equals `models.generate.generate` toke
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 
@@ -54,6 +55,8 @@ from dspark_jax.engine.slots import Request, SlotTable, validate_request
 from dspark_jax.engine.stepping import RoundRunner
 from dspark_jax.errors import RequestError
 from dspark_jax.models.transformer import untie_lm_head
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MODES", "EngineConfig", "ServingEngine", "untie_applies"]
 
@@ -314,6 +317,9 @@ class ServingEngine:
         (its K/V is gone; it is not recomputed). Queued requests and new ones are served."""
         cause = faults.device_cause(exc)
         detail = type(exc).__name__
+        first_line = (str(exc).strip().splitlines() or [""])[0][:500]
+        log.error("a device call failed (%s) for %d request(s): %s: %s", cause, len(touched),
+                  detail, first_line)  # fmt: skip
         with self._lock:
             victims = [r for r in touched if not r.done]
             if faults.state_lost(self.programs.state):
