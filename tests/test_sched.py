@@ -402,10 +402,21 @@ def test_sts_positions_without_data_and_serialisation(tmp_path):
 
 
 def test_pure_packages_import_no_model_code():
-    """spec/ and sched/ depend on jax, numpy, the standard library and the stdlib-only leaves
-    io.py / errors.py / buckets.py only (DESIGN §2)."""
+    """spec/ and sched/ depend on jax, numpy, the standard library and the leaves io.py /
+    errors.py / buckets.py / sampling_knobs.py (stdlib and numpy only) only (DESIGN §2)."""
     root = pathlib.Path(__file__).resolve().parents[1] / "dspark_jax"
     allowed = {"jax", "numpy"} | set(sys.stdlib_module_names)
+    leaves = ("io", "errors", "buckets", "sampling_knobs")
+    for leaf in leaves:  # the leaves themselves import only numpy and the standard library
+        tree = ast.parse((root / f"{leaf}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = (
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                )
+                assert all(
+                    m.split(".")[0] in {"numpy"} | set(sys.stdlib_module_names) for m in mods
+                ), f"{leaf}.py imports {mods}"
     for path in [*root.glob("spec/*.py"), *root.glob("sched/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -416,5 +427,5 @@ def test_pure_packages_import_no_model_code():
                 continue
             for name in names:
                 own = name.startswith(("dspark_jax.spec", "dspark_jax.sched"))
-                own = own or name in ("dspark_jax.io", "dspark_jax.errors", "dspark_jax.buckets")
+                own = own or name in {f"dspark_jax.{leaf}" for leaf in leaves}
                 assert own or name.split(".")[0] in allowed, f"{path.name} imports {name}"
