@@ -325,3 +325,32 @@ def test_api_key_over_the_running_engine_and_bench_sends_it(live, tok, capsys):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_chaos_soak_keeps_the_server_whole(live, tok, capsys):
+    """`serve.py bench --duration --chaos` for a few seconds over the live engine (keyed, a small
+    body limit): every valid request completes or is refused with 429/503 in a burst above the
+    queue, faults get their 4xx (no 5xx), no slot or queued request is left, /health answers."""
+    from dspark_jax.cli import bench
+
+    url, eng, stop = live
+    app = create_app(eng, tok, MODEL, stop_ids=stop, manage_engine=False, api_key="k-soak",
+                     max_body_bytes=1 << 16)  # fmt: skip
+    server, thread, port = serve_in_thread(app)
+    try:
+        argv = ["--url", f"http://127.0.0.1:{port}", "--api-key", "k-soak", "--duration", "6",
+                "--chaos", "0.4", "--concurrency", "4", "--burst", "24",
+                "--max-body-bytes", str(1 << 16), "--seed", "3"]  # fmt: skip
+        assert bench.main(argv + ["--chaos", "2"]) == 2
+        assert "--chaos" in capsys.readouterr().err
+        rc = bench.main(argv)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    res = json.loads(capsys.readouterr().out)
+    s = res["summary"]
+    assert rc == 0 and s["ok"], res
+    assert s["valid_sent"] == s["valid_completed"] + s["valid_busy"] and s["valid_completed"] > 0
+    assert s["server_5xx"] == 0 and s["leaked_slots"] == 0 and s["leaked_queue"] == 0
+    assert s["injected_faults"] > 0 and s["health_after"] == 200
+    assert res["sent"]["burst"] > 0 and res["sent"]["oversized"] > 0 and res["sent"]["no_key"] > 0

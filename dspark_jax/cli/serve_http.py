@@ -83,7 +83,7 @@ def add_subcommands(sub) -> None:
     s.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     add_distributed_flags(s)  # process 0 serves HTTP, the others follow its rounds
 
-    b = sub.add_parser("bench", help="bounded load test of a server on 127.0.0.1")
+    b = sub.add_parser("bench", help="load test (or --duration soak) of a server on 127.0.0.1")
     bench.add_arguments(b)
 
     e = sub.add_parser("export", help="a run's best drafter as a Hugging Face drafter checkpoint")

@@ -8,7 +8,9 @@ the ones vLLM lacks use a `dspark:` prefix. Two sources:
 * read from `engine.metrics()` at scrape time (a custom collector, so the exported counters are
   exactly the engine's, never a second bookkeeping): queue length, running slots, drafted /
   verified / accepted tokens, accepted tokens per draft position, verified tokens per round,
-  requests ended with an error by cause.
+  requests ended with an error by cause;
+* the server process (prometheus-client's `ProcessCollector`: `process_resident_memory_bytes`,
+  CPU seconds, open files), which the soak test reads for RSS growth.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
@@ -68,6 +76,8 @@ class ServerMetrics:
         for reason in ("invalid", "queue_full", "unavailable"):
             self._rejected.labels(model_name, reason)
         r.register(_EngineCollector(engine_snapshot, model_name))
+        # process_resident_memory_bytes & co. (Linux /proc): the soak test's RSS growth
+        ProcessCollector(registry=r)
 
     def finished(self, reason: str) -> None:
         self._success.labels(self._model, reason).inc()
