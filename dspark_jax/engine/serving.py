@@ -99,7 +99,7 @@ class ServingEngine:
                  config: EngineConfig | None = None, **config_kw):  # fmt: skip
         """`config_kw` (without `config`): `EngineConfig.build`'s keywords (num_slots, max_len,
         prompt_buckets, token_buckets, cache_buckets, modes, rounds_per_call, max_queue,
-        root_seed). `policy` .. `sts`: the Scheduler's (`set_policy` swaps it)."""
+        root_seed, kv_layout, page_size, num_pages, prefill_tokens_per_step). `policy` .. `sts`: the Scheduler's (`set_policy` swaps it)."""
         check_fits(tcfg, dcfg)
         check_drafter_dtype(dcfg, dparams)
         if config is None:
