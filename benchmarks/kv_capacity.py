@@ -78,6 +78,43 @@ def _run(eng, prompts, max_new):
     return row, outs
 
 
+def _gaps(eng, short, long, max_new):
+    """A short request decoding while `long` is admitted: the longest gap between its tokens,
+    in steps and seconds (warm engine, slot layout)."""
+    eng.warmup()
+    warm = eng.compilations
+    h = eng.submit(short, RequestParams(max_new, temperature=0.0))
+    eng.step()
+    eng.submit(long, RequestParams(2, temperature=0.0))
+    last_t, gap_steps, gap_s, idle, done = time.perf_counter(), 0, 0.0, 0, False
+    while not done:
+        mine = [d for d in eng.step() if d.request_id == h.id]
+        now = time.perf_counter()
+        got = any(d.tokens for d in mine)
+        idle = 0 if got else idle + 1
+        gap_steps = max(gap_steps, idle + 1)
+        if got:
+            gap_s, last_t = max(gap_s, now - last_t), now
+        done = any(d.finished for d in mine)
+    return dict(longest_gap_steps=gap_steps, longest_gap_s=round(gap_s, 3),
+                retraces_after_warmup=eng.compilations - warm)  # fmt: skip
+
+
+def _stall(models, common, a):
+    """`stall`: the longest gap of a short request's tokens while a `--stall-long` prompt is
+    prefilled, unbounded vs `--stall-budget` prompt tokens per step (chunked prefill)."""
+    rng = np.random.default_rng(1)
+    short, long = rng.integers(0, 250, 64).tolist(), rng.integers(0, 250, a.stall_long).tolist()
+    rows = {}
+    for name, budget in (("unbounded", 0), ("chunked", a.stall_budget)):
+        eng = ServingEngine(*models, num_slots=2, prefill_tokens_per_step=budget, **common)
+        rows[name] = _gaps(eng, short, long, a.max_new * 4)
+    rows["gap_s_chunked_over_unbounded"] = round(
+        rows["chunked"]["longest_gap_s"] / rows["unbounded"]["longest_gap_s"], 3
+    )
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-len", type=int, default=8192)
@@ -87,6 +124,9 @@ def main(argv=None):
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--long", type=int, default=8000, help="the longest prompt's tokens")
+    ap.add_argument("--stall-long", type=int, default=6000, help="`stall`: the long prompt")
+    ap.add_argument("--stall-budget", type=int, default=512, help="`stall`: chunked budget")
+    ap.add_argument("--stall-only", action="store_true", help="only the `stall` key")
     a = ap.parse_args(argv)
     tcfg, tp, dcfg, dp = _models(a.max_len)
     top = a.max_len - a.max_new - GAMMA - 1  # longer prompts do not fit a slot: refused
@@ -94,6 +134,10 @@ def main(argv=None):
     caches = (512, 2048, a.max_len) if a.max_len > 2048 else (a.max_len // 4, a.max_len)
     common = dict(max_len=a.max_len, prompt_buckets=(64, 512), token_buckets=(8, 20, 40, 80),
                   cache_buckets=caches, modes=("greedy",))  # fmt: skip
+    stall = _stall((tcfg, dcfg, tp, dp), common, a)
+    if a.stall_only:
+        print(json.dumps(dict(config=vars(a), stall=stall)))
+        return
     num_pages = a.slots * a.max_len // a.page  # equal KV memory
     slots_eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=a.slots, **common)
     paged_eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=a.paged_slots, kv_layout="paged",
@@ -110,7 +154,7 @@ def main(argv=None):
     )  # fmt: skip
     config = dict(vars(a), kv_positions=a.slots * a.max_len, num_pages=num_pages, gamma=GAMMA,
                   target="tiny qwen2 (4 layers, 64 wide), random", platform=platform.machine())  # fmt: skip
-    print(json.dumps(dict(config=config, slots=s_row, paged=p_row, summary=summary)))
+    print(json.dumps(dict(config=config, slots=s_row, paged=p_row, summary=summary, stall=stall)))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,10 @@ def add_subcommands(sub) -> None:
     s.add_argument("--page-size", type=int, default=16, help="with --kv-layout paged")
     s.add_argument("--num-pages", type=int, default=0,
                    help="with --kv-layout paged (0: as many positions as --num-slots x --max-len)")  # fmt: skip
+    s.add_argument("--prefill-tokens-per-step", type=int, default=0,
+                   help="prompt tokens prefilled per engine step (whole 512-token chunks, at "
+                        "least one; 0: no bound): a long prompt is prefilled over several "
+                        "steps while running requests keep decoding")  # fmt: skip
     s.add_argument("--seed", type=int, default=0, help="root seed of the engine's sampling")
     s.add_argument("--mesh", default="", metavar="DATA,FSDP,TENSOR",
                    help="device mesh, e.g. 1,1,8 = tensor parallel over 8 devices (default: all "
@@ -266,6 +270,7 @@ def build_engine(args):
         policy=policy, gamma=args.gamma, threshold=args.threshold, cost_profile=cost,
         sts=sts, max_queue=args.max_queue, root_seed=args.seed, mesh=mesh_from_flag(args.mesh),
         kv_layout=args.kv_layout, page_size=args.page_size, num_pages=args.num_pages,
+        prefill_tokens_per_step=args.prefill_tokens_per_step,
     )  # fmt: skip
     log.info("loaded %s (drafter %s, γ=%d, policy %s) in %.1f s",
              name, dcfg.kind, dcfg.block_size, policy, time.perf_counter() - t0)  # fmt: skip

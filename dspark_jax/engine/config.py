@@ -52,6 +52,9 @@ class EngineConfig:
     kv_layout: str = "slots"  # "paged": K/V in page pools (engine.paged_engine, docs/PAGED_KV.md)
     page_size: int = 16
     num_pages: int = 0  # resolved by build (0: num_slots * max_len / page_size, rounded up)
+    # prompt tokens prefilled per step (0: no bound); whole chunks of prompt_buckets[-1], at
+    # least one per step, so a long prompt is prefilled over several steps between rounds
+    prefill_tokens_per_step: int = 0
 
     @classmethod
     def build(
@@ -71,6 +74,7 @@ class EngineConfig:
         kv_layout: str = "slots",
         page_size: int = 16,
         num_pages: int = 0,
+        prefill_tokens_per_step: int = 0,
     ) -> EngineConfig:
         """Checked against the target (ConfigError) and with every bucket tuple resolved."""
         if num_slots < 1 or max_len < 2:
@@ -88,6 +92,11 @@ class EngineConfig:
             raise ConfigError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
         if page_size < 1 or num_pages < 0:
             raise ConfigError(f"page_size ({page_size}) must be >= 1 and num_pages >= 0")
+        if not (isinstance(prefill_tokens_per_step, int) and prefill_tokens_per_step >= 0):
+            raise ConfigError(
+                f"prefill_tokens_per_step must be an integer >= 0 (0: no bound), got "
+                f"{prefill_tokens_per_step!r}"
+            )
         num_pages = num_pages or -(-num_slots * max_len // page_size)
         g = dcfg.block_size
         top = num_slots * (g + 1)
@@ -107,6 +116,7 @@ class EngineConfig:
             kv_layout=kv_layout,
             page_size=page_size,
             num_pages=num_pages,
+            prefill_tokens_per_step=prefill_tokens_per_step,
         )
 
     def for_models(self, tcfg, dcfg) -> EngineConfig:

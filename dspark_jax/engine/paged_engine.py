@@ -131,7 +131,7 @@ class PagedSlotTable(SlotTable):
     def preempt(self, rounds: int = 1) -> list[Request]:
         """Grow every running request to pos + rounds·(γ + 1) positions (capped at its whole
         length) before a call of `rounds` rounds; the preempted ones (newest first) go back to
-        the queue front to be resumed by recompute."""
+        the queue front to be resumed by recompute (a half-prefilled one prefills again)."""
         g1 = self.gamma + 1
         needs = {
             r: min(r.pos + rounds * g1, len(r.prompt) + r.params.max_new_tokens + g1)
@@ -141,7 +141,9 @@ class PagedSlotTable(SlotTable):
         for v in victims:  # newest first: the oldest victim ends at the front
             self.owner[v.slot] = None
             v.slot = None
-            v.resume = (v.prompt + v.tokens[:-1], v.tokens[-1], len(v.num_accepted))
+            if v.fill is None:
+                v.resume = (v.prompt + v.tokens[:-1], v.tokens[-1], len(v.num_accepted))
+            v.fill = None  # a half-prefilled victim starts its prefill (or resume) again
             self.queue.appendleft(v)
         return victims
 

@@ -52,7 +52,7 @@ from dspark_jax.engine.programs import EnginePrograms
 from dspark_jax.engine.requests import Delta, QueueFull, RequestHandle, RequestParams
 from dspark_jax.engine.scheduling import Scheduler
 from dspark_jax.engine.slots import Request, SlotTable, validate_request
-from dspark_jax.engine.stepping import RoundRunner
+from dspark_jax.engine.stepping import Fill, RoundRunner
 from dspark_jax.errors import RequestError
 from dspark_jax.models.transformer import untie_lm_head
 
@@ -99,7 +99,7 @@ class ServingEngine:
                  config: EngineConfig | None = None, **config_kw):  # fmt: skip
         """`config_kw` (without `config`): `EngineConfig.build`'s keywords (num_slots, max_len,
         prompt_buckets, token_buckets, cache_buckets, modes, rounds_per_call, max_queue,
-        root_seed). `policy` .. `sts`: the Scheduler's (`set_policy` swaps it)."""
+        root_seed, kv_layout, page_size, num_pages, prefill_tokens_per_step). `policy` .. `sts`: the Scheduler's (`set_policy` swaps it)."""
         check_fits(tcfg, dcfg)
         check_drafter_dtype(dcfg, dparams)
         if config is None:
@@ -260,13 +260,15 @@ class ServingEngine:
                 if self._paged:  # grow the running requests' pages; preempt if out of pages
                     k = self.config.rounds_per_call if self._runner.device_policy() else 1
                     self.slots.preempt(k)
-                admitted = self.slots.admit()
-            if admitted:
-                deltas += self._prefill(admitted)
+                for r in self.slots.admit():
+                    r.fill = Fill()
+                pending = self.slots.prefilling()
+            if pending:
+                deltas += self._prefill(pending)
             if self._paged and self.config.rounds_per_call > 1:
                 with self._lock:  # the K rounds' pages of the requests admitted just now
                     self.slots.preempt(k)
-            running = self.slots.running()
+            running = self.slots.decoding()
             if running:
                 try:
                     outs = self._runner.run(running, self.slots.conf)
@@ -283,16 +285,18 @@ class ServingEngine:
             return self._committer.fail(req, req.fail_cause)
         return self._committer.finish(req, [], "cancelled")
 
-    def _prefill(self, admitted: list[Request]) -> list[Delta]:
-        """Prefill the admitted requests. One whose device call raised ends with an error
-        (`_device_fault`: out of memory on admission ..), as does one whose prompt's values are
-        not finite (first token -1, `device.chunk_finite`)."""
+    def _prefill(self, pending: list[Request]) -> list[Delta]:
+        """Prefill the requests holding a slot whose prompt is not all written, within the
+        step's budget; those that finish join the rounds. One whose device call raised ends with
+        an error (`_device_fault`: out of memory on admission ..), as does one whose prompt's
+        values are not finite (first token -1, `device.chunk_finite`)."""
         try:
-            firsts = self._runner.prefill(admitted)
+            done = self._runner.prefill(pending)
         except faults.HOST_ERRORS:
             raise
         except Exception as e:  # noqa: BLE001 - reading the results failed: all of them
-            return self._device_fault(e, admitted)
+            return self._device_fault(e, pending)
+        admitted, firsts = [r for r, _ in done], [f for _, f in done]
         deltas = []
         for r, f in zip(admitted, firsts):
             if isinstance(f, Exception):

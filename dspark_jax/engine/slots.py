@@ -29,6 +29,7 @@ class Request:
     cancel_requested: bool = False
     fail_cause: str | None = None  # with cancel_requested: end with "error" (`engine.faults`)
     done: bool = False
+    fill: object = None  # `stepping.Fill` while its prompt is prefilled over several steps
 
     def __post_init__(self):
         self.stop_set = frozenset(int(s) for s in self.params.stop_ids)
@@ -54,7 +55,15 @@ class SlotTable:
         return self.by_id.get(request_id)
 
     def running(self) -> list[Request]:
+        """Every request holding a slot, those still prefilling included."""
         return [r for r in self.owner if r is not None]
+
+    def decoding(self) -> list[Request]:
+        """The requests holding a slot whose prefill is done (they join the rounds)."""
+        return [r for r in self.owner if r is not None and r.fill is None]
+
+    def prefilling(self) -> list[Request]:
+        return [r for r in self.owner if r is not None and r.fill is not None]
 
     def admit(self) -> list[Request]:
         """Move waiting requests into free slots (FIFO, lowest slot first)."""

@@ -2,10 +2,12 @@
 inputs and reads their outputs back once.
 
     runner = RoundRunner(config, programs, scheduler)
-    firsts = runner.prefill(admitted)                  # [(first token, conf [γ])] per request
+    done = runner.prefill(pending)      # [(req, (first token, conf [γ]))] whose prefill ended
     lens, emitted, acc, conf = runner.run(running, pending_conf)    # [k, N, ...] host arrays
 
-`prefill` writes each admitted prompt in prompt-length-bucket chunks. `run` runs one
+`prefill` writes the admitted prompts in prompt-length-bucket chunks, at most
+`prefill_tokens_per_step` tokens per step (a long prompt takes several steps while the running
+requests keep their rounds). `run` runs one
 host-scheduled round (lengths from the `Scheduler` on the pending drafts' confidences, the
 smallest token and cache buckets that hold them) or, when the engine runs K rounds per call and
 the policy is one the device computes (fixed γ / MTP-1 / static threshold), up to K
@@ -14,6 +16,8 @@ device-resident rounds (`engine.rounds`). Either way the result has one row per 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -37,6 +41,16 @@ def _first(chunk_firsts, conf) -> tuple[int, object]:
     return (-1 if bad else int(chunk_firsts[-1])), conf
 
 
+@dataclasses.dataclass
+class Fill:
+    """A request's prefill progress (host): prompt tokens written, each chunk's first (device
+    values) and the last chunk's confidences."""
+
+    start: int = 0
+    firsts: list = dataclasses.field(default_factory=list)
+    conf: object = None
+
+
 class RoundRunner:
     def __init__(self, config: EngineConfig, programs: EnginePrograms, scheduler: Scheduler):
         self.config, self.programs, self.scheduler = config, programs, scheduler
@@ -45,44 +59,54 @@ class RoundRunner:
     def set_scheduler(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
 
-    def prefill(self, admitted: list[Request]) -> list:
-        """Each admitted request's prompt into its slot: per request (first token, conf [γ]),
-        or the exception its device call raised (the others still run; one read for all)."""
-        outs = []
-        for req in admitted:
+    def prefill(self, pending: list[Request]) -> list:
+        """Prefill chunks of the requests still prefilling (in order, their progress in
+        `req.fill`), whole chunks of prompt_buckets[-1] until `prefill_tokens_per_step` prompt
+        tokens are written (0: no bound; at least one chunk per step). Returns
+        [(req, (first token, conf [γ]) or the exception its device call raised)] for those whose
+        prefill finished this step (fill reset to None; one read for all)."""
+        budget = self.config.prefill_tokens_per_step or float("inf")
+        done, spent = [], 0
+        for req in pending:
             mode = self.config.mode_for([req.params])
             sp1 = sampling_rows([req.params], mode)
             try:
-                outs.append(self._prefill_one(req, mode, sp1))
+                while spent < budget and req.fill.start < len(self._prompt(req)):
+                    spent += self._chunk(req, mode, sp1)
             except faults.HOST_ERRORS:
                 raise
             except Exception as e:  # noqa: BLE001 - the engine ends this request (faults)
-                outs.append(e)
-        got = jax.device_get([o for o in outs if not isinstance(o, Exception)])[::-1]
-        return [o if isinstance(o, Exception) else _first(*got.pop()) for o in outs]
+                req.fill = None
+                done.append((req, e))
+                continue
+            if req.fill.start < len(self._prompt(req)):
+                break  # the budget is spent: the rest waits for the next steps
+            done.append((req, (req.fill.firsts, req.fill.conf)))
+            req.fill = None
+        got = jax.device_get([o for _, o in done if not isinstance(o, Exception)])[::-1]
+        return [(r, o if isinstance(o, Exception) else _first(*got.pop())) for r, o in done]
 
-    def _prefill_one(self, req: Request, mode: str, sp1):
-        c, p = self.config, self._prompt(req)
-        start, big = 0, c.prompt_buckets[-1]
-        firsts = []
-        while start < len(p):
-            n = min(big, len(p) - start)
-            size = bucket_up(n, c.prompt_buckets)
-            toks = np.zeros(size, np.int32)
-            toks[:n] = p[start : start + n]
-            nxt = np.zeros(size, np.int32)
-            follow = p[start + 1 : start + n + 1]
-            nxt[: len(follow)] = follow
-            last = start + n == len(p)
-            inp = PrefillInputs(np.int32(req.slot), toks, nxt, np.int32(start), np.int32(n),
-                                np.bool_(last), np.uint32(req.seed), sp1,
-                                self.programs.key)  # fmt: skip
-            cache_len = c.prefill_cache_len(start + size)
-            inp = self._chunk_inputs(req, inp, cache_len)
-            first, conf = self.programs.step_prefill(inp, mode=mode, cache_len=cache_len)
-            firsts.append(first)
-            start += n
-        return firsts, conf  # `_first` reads them
+    def _chunk(self, req: Request, mode: str, sp1) -> int:
+        """Prefill the next chunk of `req`'s prompt (from `req.fill.start`); its token count."""
+        c, p, f = self.config, self._prompt(req), req.fill
+        start = f.start
+        n = min(c.prompt_buckets[-1], len(p) - start)
+        size = bucket_up(n, c.prompt_buckets)
+        toks = np.zeros(size, np.int32)
+        toks[:n] = p[start : start + n]
+        nxt = np.zeros(size, np.int32)
+        follow = p[start + 1 : start + n + 1]
+        nxt[: len(follow)] = follow
+        last = start + n == len(p)
+        inp = PrefillInputs(np.int32(req.slot), toks, nxt, np.int32(start), np.int32(n),
+                            np.bool_(last), np.uint32(req.seed), sp1,
+                            self.programs.key)  # fmt: skip
+        cache_len = c.prefill_cache_len(start + size)
+        inp = self._chunk_inputs(req, inp, cache_len)
+        first, f.conf = self.programs.step_prefill(inp, mode=mode, cache_len=cache_len)
+        f.firsts.append(first)
+        f.start += n
+        return n
 
     def _prompt(self, req: Request) -> list[int]:
         """The tokens a request's prefill writes (a layout may resume with more)."""
