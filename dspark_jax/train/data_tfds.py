@@ -1,8 +1,11 @@
-"""TensorFlow Datasets as a conversation source (`read_tfds`, `parse_tfds_spec`)."""
+"""TensorFlow Datasets as a conversation source (`read_tfds`, `parse_tfds_spec`, and
+`tfds_source`: what identifies a dataset's content in a stage key)."""
 
 from __future__ import annotations
 
+import hashlib
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -32,6 +35,38 @@ def parse_tfds_spec(spec: str) -> tuple[str, str, str | None]:
     m = re.fullmatch(r"(.*?)(?::([A-Za-z_][\w./-]*))?", rest)
     split, field = m.group(1), m.group(2)
     return name, split or "train", field or None
+
+
+def _import_tfds():
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise ImportError(
+            "reading data.tfds needs TensorFlow Datasets: pip install 'dspark-jax[tfds]' "
+            "(or use JSONL prompt/conversation files instead)"
+        ) from e
+    return tfds
+
+
+def tfds_source(spec: str, data_dir: str | None = None) -> dict:
+    """What identifies the content `spec` ("name[:split[:field]]") reads, for stage keys: the
+    name, split and field, the prepared dataset's version, and a hash of its
+    `dataset_info.json` (its split sizes, shard lengths and features), so that another dataset,
+    split, field, version or a rebuilt dataset changes the key. Where it is stored (`data_dir`)
+    is not part of it."""
+    name, split, field = parse_tfds_spec(spec)
+    builder = _import_tfds().builder(name, data_dir=data_dir)
+    info = Path(builder.data_dir) / "dataset_info.json"
+    if not info.is_file():
+        raise DataError(
+            f"tfds:{name}",
+            None,
+            f"not prepared in {builder.data_dir} — prepare it there first or "
+            "set data.tfds_data_dir to where it is",
+        )
+    digest = hashlib.sha256(info.read_bytes()).hexdigest()[:16]
+    return {"name": name, "split": split, "field": field, "version": str(builder.version),
+            "info": digest}  # fmt: skip
 
 
 def _tfds_examples(tfds: Any, name: str, split: str, data_dir: str | None, download: bool):
@@ -75,13 +110,7 @@ def read_tfds(
     datasets (the TFDS default for new builds with `file_format="array_record"`) need no
     TensorFlow.
     """
-    try:
-        import tensorflow_datasets as tfds
-    except ImportError as e:
-        raise ImportError(
-            "read_tfds needs TensorFlow Datasets: pip install 'dspark-jax[tfds]' "
-            "(or use JSONL prompt/conversation files instead)"
-        ) from e
+    tfds = _import_tfds()
     where = f"tfds:{name}/{split}"
     stats = ReadStats(source=where)
     out: list = []
