@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from dspark_jax.errors import DataError
-from dspark_jax.train.data import Conversation, Message, Prompt, ReadStats, normalize_messages
+from dspark_jax.train.data import (
+    Conversation,
+    Message,
+    Prompt,
+    ReadStats,
+    normalize_messages,
+    process_block,
+)
 
 
 def _tfds_text(x: Any) -> Any:
@@ -69,22 +77,35 @@ def tfds_source(spec: str, data_dir: str | None = None) -> dict:
             "info": digest}  # fmt: skip
 
 
-def _tfds_examples(tfds: Any, name: str, split: str, data_dir: str | None, download: bool):
-    """Examples of a prepared TFDS dataset as numpy dicts, in stored order.
+def _tfds_examples(
+    tfds: Any, name: str, split: str, data_dir: str | None, download: bool, shard
+) -> Iterator[tuple[int, Any]]:
+    """(0-based index in the split, example as numpy dicts) of a prepared TFDS dataset, in
+    stored order; with `shard=(k, P)` only process k's contiguous block (`process_block`).
 
-    ArrayRecord datasets are read through `as_data_source` (no TensorFlow needed); TFRecord ones
-    through `tfds.load` (needs TensorFlow)."""
+    ArrayRecord datasets are read through `as_data_source` (no TensorFlow needed; only the
+    block's records are read); TFRecord ones through `tfds.load` of the block's split slice
+    (needs TensorFlow)."""
     builder = tfds.builder(name, data_dir=data_dir)
     if download:
         builder.download_and_prepare()
     try:
         source = builder.as_data_source(split=split)
     except NotImplementedError:  # a TFRecord dataset: the TensorFlow reader
-        ds = tfds.load(name, split=split, data_dir=data_dir, download=False)
-        yield from tfds.as_numpy(ds)
+        if shard and "[" in split:
+            raise ValueError(
+                f"split {split!r}: a sliced TFRecord split cannot be read per process — prepare "
+                "the dataset as ArrayRecord or name a whole split"
+            ) from None
+        n = builder.info.splits[split].num_examples
+        rows = process_block(n, *shard) if shard else range(n)
+        part = f"{split}[{rows.start}:{rows.stop}]" if shard else split
+        ds = tfds.load(name, split=part, data_dir=data_dir, download=False)
+        yield from zip(rows, tfds.as_numpy(ds))
         return
-    for i in range(len(source)):
-        yield source[i]
+    rows = process_block(len(source), *shard) if shard else range(len(source))
+    for i in rows:
+        yield i, source[i]
 
 
 def read_tfds(
@@ -96,6 +117,7 @@ def read_tfds(
     data_dir: str | None = None,
     limit: int | None = None,
     download: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> tuple[list[Prompt] | list[Conversation], ReadStats]:
     """Read prompts or conversations from a TensorFlow-Datasets dataset (extra ``[tfds]``).
 
@@ -108,14 +130,15 @@ def read_tfds(
     ``tfds:<name>/<split>`` and the 1-based example number. `download=False` by default because
     the machines we target are offline: prepare the dataset into `data_dir` first. ArrayRecord
     datasets (the TFDS default for new builds with `file_format="array_record"`) need no
-    TensorFlow.
+    TensorFlow. `shard=(k, P)` reads only process k's contiguous block of the split's examples
+    (`process_block`; ids stay the examples' indices in the whole split).
     """
     tfds = _import_tfds()
     where = f"tfds:{name}/{split}"
     stats = ReadStats(source=where)
     out: list = []
-    examples = _tfds_examples(tfds, name, split, data_dir, download)
-    for idx, example in enumerate(examples):
+    examples = _tfds_examples(tfds, name, split, data_dir, download, shard)
+    for idx, example in examples:
         if limit is not None and idx >= limit:
             break
         k, f = kind, field
