@@ -181,6 +181,14 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int] | int = 2) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(logical, shape, mesh))
 
 
+def global_batch(mesh: Mesh, local: np.ndarray, batch: int) -> jax.Array:
+    """The global [batch, ...] array (placed by `batch_sharding`) of which this process holds
+    rows `local` (its `process_block` of the batch, in process order), assembled by
+    `jax.make_array_from_process_local_data`: no process reads or sends another's rows."""
+    shape = (batch, *local.shape[1:])
+    return jax.make_array_from_process_local_data(batch_sharding(mesh, shape), local, shape)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

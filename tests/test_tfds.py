@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dspark_jax.errors import DataError
@@ -111,3 +113,37 @@ def test_pipeline_reads_data_tfds(data_dir, tmp_path):
     convs = Pipeline(cfg, log=lines.append)._training_conversations()
     assert len(convs) == 2 and all(c.messages[0].role == "user" for c in convs)
     assert any("tfds:dspark_tiny_chats/train" in x and "kept 2" in x for x in lines), lines
+
+
+def test_data_tfds_is_part_of_the_stage_keys(data_dir, tmp_path):
+    """Another dataset, split or field, or the same dataset rebuilt, re-runs the target and all
+    that follows (never a silent reuse); the same settings give the same keys."""
+    from dspark_jax.pipeline_config import DataStage, PipelineConfig, apply_overrides
+    from dspark_jax.run.pipeline import STAGES, Pipeline
+
+    base = PipelineConfig(run_dir=str(tmp_path / "run"), data=DataStage(tfds_data_dir=data_dir))
+
+    def keys(spec, cfg=base):
+        p = Pipeline(apply_overrides(cfg, [f"data.tfds={spec}"]), log=lambda *_: None)
+        return {s: p.key(s) for s in STAGES}
+
+    def changed(a, b):
+        return {s for s in STAGES if a[s] != b[s]}
+
+    later = {"target", "regenerate", "drafters", "calibrate", "evaluate"}
+    train = keys("dspark_tiny_chats:train")
+    assert train == keys("dspark_tiny_chats:train")
+    assert changed(train, keys("dspark_tiny_chats:test")) == later
+    assert changed(train, keys("dspark_tiny_chats:train:question")) == later
+    assert changed(train, keys("")) >= later  # the corpus's chats instead
+    # another version of the dataset, in another place: a new key
+    other = DataStage(tfds_data_dir=str(tmp_path / "tfds2"))
+    DsparkTinyChats.VERSION, old = tfds.core.Version("1.0.1"), DsparkTinyChats.VERSION
+    try:
+        DsparkTinyChats(
+            data_dir=other.tfds_data_dir, file_format="array_record"
+        ).download_and_prepare()
+        newer = keys("dspark_tiny_chats:train", dataclasses.replace(base, data=other))
+    finally:
+        DsparkTinyChats.VERSION = old
+    assert changed(train, newer) == later

@@ -3,9 +3,10 @@ running stages so that nothing finished is lost (`dspark_jax.run.store`).
 
 Each stage's key covers exactly what the stage reads: the configuration fields it uses (`_reads`,
 including other sections' fields, e.g. calibrate reads evaluate.temperature), the content hash of
-every input file, and the keys of the stages whose outputs it reads. A stage whose key matches its
-finished output is skipped. A changed key builds the stage again in `work/` and swaps it in when
-finished; the previous output is kept under `previous/` and comes back if its configuration does.
+every input file and the identity of a TFDS dataset (`data_tfds.tfds_source`), and the keys of
+the stages whose outputs it reads. A stage whose key matches its finished output is skipped. A
+changed key builds the stage again in `work/` and swaps it in when finished; the previous output
+is kept under `previous/` and comes back if its configuration does.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dspark_jax.run.eta import PipelineEta
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.run.store import StageStore
 from dspark_jax.run.validate import check_stage_names, validate_config, validate_inputs
+from dspark_jax.train.data_tfds import tfds_source
 
 _TOKENIZER_FILES = ("tokenizer*.json", "*.jinja", "special_tokens_map.json", "vocab*", "merges*")
 _CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
@@ -65,6 +67,7 @@ class StagedRun:
         self.hasher = FileHasher(self.run / "file_hashes.json")
         self._building: dict[str, Path] = {}  # stage -> its work folder while it runs
         self._keys: dict[str, str] = {}
+        self._tfds: dict | None = None  # data.tfds's identity (`tfds_source`), read once
         self.input_counts = validate_inputs(cfg)
 
     # -- cache keys -------------------------------------------------------------------------
@@ -73,10 +76,11 @@ class StagedRun:
         c = self.cfg
         if stage == "tokenizer":
             return not (c.tokenizer.path or c.target.path)
+        user_chats = bool(c.data.conversation_files or c.data.tfds)
         if stage == "target":
-            return not c.target.path and not c.data.conversation_files
+            return not c.target.path and not user_chats
         if stage == "regenerate":
-            return not c.data.conversation_files
+            return not user_chats
         if stage == "evaluate":
             return not c.data.eval_prompt_files
         return False
@@ -86,7 +90,9 @@ class StagedRun:
         c, h = self.cfg, self.hasher
         files: dict = {}
         corpus = ("corpus",) if self._needs_corpus(stage) else ()
-        convs = {Path(f).name: h.file(f) for f in c.data.conversation_files}
+        chats = {"conversations": {Path(f).name: h.file(f) for f in c.data.conversation_files}}
+        if c.data.tfds:  # only then, so that the keys of runs without it stay as they were
+            chats["tfds"] = self._tfds_source()
         if stage == "corpus":
             files["python"] = list(sys.version_info[:2])  # the corpus reads the stdlib
             files["needed"] = self._corpus_needed()
@@ -101,14 +107,14 @@ class StagedRun:
             if c.target.path:
                 files["checkpoint"] = h.tree(c.target.path, _CHECKPOINT_FILES)
                 return ("target.target_layer_ids",), files, ()
-            files["conversations"] = convs
+            files.update(chats)
             fields = tuple(
                 f"target.{k}" for k in ("model", "train", "vocab_multiple", "render_windows",
                                         "min_loss_tokens", "heldout_one_in")
             )  # fmt: skip
             return fields, files, ("tokenizer", *corpus)
         if stage == "regenerate":
-            files["conversations"] = convs
+            files.update(chats)
             return ("regenerate", "calibrate.max_prompts"), files, ("tokenizer", "target", *corpus)
         if stage == "drafters":
             return (
@@ -129,6 +135,11 @@ class StagedRun:
             up = ("tokenizer", "target", "drafters", "calibrate", *corpus)
             return ("name", "evaluate"), files, up
         raise ConfigError(f"unknown stage {stage!r} — stages: {', '.join(STAGES)}")
+
+    def _tfds_source(self) -> dict:
+        if self._tfds is None:
+            self._tfds = tfds_source(self.cfg.data.tfds, self.cfg.data.tfds_data_dir or None)
+        return self._tfds
 
     def inputs(self, stage: str) -> dict:
         fields, files, upstream = self._reads(stage)

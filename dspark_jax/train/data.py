@@ -149,8 +149,26 @@ class ReadStats:
 # Reading
 
 
-def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield `(line_number, object)` for every non-blank line; 1-based line numbers.
+def process_block(n: int, index: int, count: int) -> range:
+    """Rows [index·n/count, (index+1)·n/count) of `n`: process `index`'s contiguous share of `n`
+    rows among `count` processes. The blocks of processes 0, 1, ... in turn are `range(n)`, so
+    every row is read by exactly one process and their concatenation is the one-process order."""
+    if not 0 <= index < count:
+        raise ValueError(f"process index {index} must be in 0 .. {count - 1}")
+    return range(index * n // count, (index + 1) * n // count)
+
+
+def count_jsonl_rows(path: str | os.PathLike) -> int:
+    """Non-blank lines of `path` (rows of `iter_jsonl`), counted without parsing them."""
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+def iter_jsonl(
+    path: str | os.PathLike, rows: range | None = None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield `(line_number, object)` for every non-blank line (only those whose 0-based row
+    index is in `rows`, when given: the others are not parsed); 1-based line numbers.
 
     Raises `DataError` for a missing file, invalid UTF-8 or JSON, a line that is not an object,
     and a file with no rows at all.
@@ -167,6 +185,9 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise DataError(path, lineno, f"not valid UTF-8 ({e.reason})") from None
             if not line.strip():
                 continue
+            n_rows += 1
+            if rows is not None and n_rows - 1 not in rows:
+                continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -175,7 +196,6 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
                 ) from None
             if not isinstance(obj, dict):
                 raise DataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
-            n_rows += 1
             yield lineno, obj
     if n_rows == 0:
         raise DataError(path, None, "file is empty: expected one JSON object per line")
@@ -239,16 +259,21 @@ def _row_meta(obj: Mapping[str, Any], default_id: Id) -> dict[str, Any]:
 
 
 def read_conversations(
-    path: str | os.PathLike, *, keep_system: bool = False
+    path: str | os.PathLike, *, keep_system: bool = False, shard: tuple[int, int] | None = None
 ) -> tuple[list[Conversation], ReadStats]:
     """Read a conversation JSONL file (see module docstring) into validated `Conversation`s.
 
     A row without an ``id`` gets its 0-based row index. Conversations with only user turns are
     kept (regeneration input); the encoder later drops those with too few loss tokens.
+    `shard=(k, P)` reads (parses, validates) only process k's block of rows (`process_block`).
     """
     stats = ReadStats(source=Path(path).name)
     convs: list[Conversation] = []
-    for row_idx, (lineno, obj) in enumerate(iter_jsonl(path)):
+    rows = None
+    if shard is not None and Path(path).is_file():
+        rows = process_block(count_jsonl_rows(path), *shard)
+    start = rows.start if rows is not None else 0
+    for row_idx, (lineno, obj) in enumerate(iter_jsonl(path, rows), start=start):
         if "conversations" not in obj:
             raise DataError(path, lineno, 'missing field "conversations" (a list of messages)')
         stats.read += 1

@@ -1,14 +1,25 @@
-"""TensorFlow Datasets as a conversation source (`read_tfds`, `parse_tfds_spec`)."""
+"""TensorFlow Datasets as a conversation source (`read_tfds`, `parse_tfds_spec`, and
+`tfds_source`: what identifies a dataset's content in a stage key)."""
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from dspark_jax.errors import DataError
-from dspark_jax.train.data import Conversation, Message, Prompt, ReadStats, normalize_messages
+from dspark_jax.train.data import (
+    Conversation,
+    Message,
+    Prompt,
+    ReadStats,
+    normalize_messages,
+    process_block,
+)
 
 
 def _tfds_text(x: Any) -> Any:
@@ -34,22 +45,67 @@ def parse_tfds_spec(spec: str) -> tuple[str, str, str | None]:
     return name, split or "train", field or None
 
 
-def _tfds_examples(tfds: Any, name: str, split: str, data_dir: str | None, download: bool):
-    """Examples of a prepared TFDS dataset as numpy dicts, in stored order.
+def _import_tfds():
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise ImportError(
+            "reading data.tfds needs TensorFlow Datasets: pip install 'dspark-jax[tfds]' "
+            "(or use JSONL prompt/conversation files instead)"
+        ) from e
+    return tfds
 
-    ArrayRecord datasets are read through `as_data_source` (no TensorFlow needed); TFRecord ones
-    through `tfds.load` (needs TensorFlow)."""
+
+def tfds_source(spec: str, data_dir: str | None = None) -> dict:
+    """What identifies the content `spec` ("name[:split[:field]]") reads, for stage keys: the
+    name, split and field, the prepared dataset's version, and a hash of its
+    `dataset_info.json` (its split sizes, shard lengths and features), so that another dataset,
+    split, field, version or a rebuilt dataset changes the key. Where it is stored (`data_dir`)
+    is not part of it."""
+    name, split, field = parse_tfds_spec(spec)
+    builder = _import_tfds().builder(name, data_dir=data_dir)
+    info = Path(builder.data_dir) / "dataset_info.json"
+    if not info.is_file():
+        raise DataError(
+            f"tfds:{name}",
+            None,
+            f"not prepared in {builder.data_dir} — prepare it there first or "
+            "set data.tfds_data_dir to where it is",
+        )
+    digest = hashlib.sha256(info.read_bytes()).hexdigest()[:16]
+    return {"name": name, "split": split, "field": field, "version": str(builder.version),
+            "info": digest}  # fmt: skip
+
+
+def _tfds_examples(
+    tfds: Any, name: str, split: str, data_dir: str | None, download: bool, shard
+) -> Iterator[tuple[int, Any]]:
+    """(0-based index in the split, example as numpy dicts) of a prepared TFDS dataset, in
+    stored order; with `shard=(k, P)` only process k's contiguous block (`process_block`).
+
+    ArrayRecord datasets are read through `as_data_source` (no TensorFlow needed; only the
+    block's records are read); TFRecord ones through `tfds.load` of the block's split slice
+    (needs TensorFlow)."""
     builder = tfds.builder(name, data_dir=data_dir)
     if download:
         builder.download_and_prepare()
     try:
         source = builder.as_data_source(split=split)
     except NotImplementedError:  # a TFRecord dataset: the TensorFlow reader
-        ds = tfds.load(name, split=split, data_dir=data_dir, download=False)
-        yield from tfds.as_numpy(ds)
+        if shard and "[" in split:
+            raise ValueError(
+                f"split {split!r}: a sliced TFRecord split cannot be read per process — prepare "
+                "the dataset as ArrayRecord or name a whole split"
+            ) from None
+        n = builder.info.splits[split].num_examples
+        rows = process_block(n, *shard) if shard else range(n)
+        part = f"{split}[{rows.start}:{rows.stop}]" if shard else split
+        ds = tfds.load(name, split=part, data_dir=data_dir, download=False)
+        yield from zip(rows, tfds.as_numpy(ds))
         return
-    for i in range(len(source)):
-        yield source[i]
+    rows = process_block(len(source), *shard) if shard else range(len(source))
+    for i in rows:
+        yield i, source[i]
 
 
 def read_tfds(
@@ -61,6 +117,7 @@ def read_tfds(
     data_dir: str | None = None,
     limit: int | None = None,
     download: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> tuple[list[Prompt] | list[Conversation], ReadStats]:
     """Read prompts or conversations from a TensorFlow-Datasets dataset (extra ``[tfds]``).
 
@@ -73,20 +130,15 @@ def read_tfds(
     ``tfds:<name>/<split>`` and the 1-based example number. `download=False` by default because
     the machines we target are offline: prepare the dataset into `data_dir` first. ArrayRecord
     datasets (the TFDS default for new builds with `file_format="array_record"`) need no
-    TensorFlow.
+    TensorFlow. `shard=(k, P)` reads only process k's contiguous block of the split's examples
+    (`process_block`; ids stay the examples' indices in the whole split).
     """
-    try:
-        import tensorflow_datasets as tfds
-    except ImportError as e:
-        raise ImportError(
-            "read_tfds needs TensorFlow Datasets: pip install 'dspark-jax[tfds]' "
-            "(or use JSONL prompt/conversation files instead)"
-        ) from e
+    tfds = _import_tfds()
     where = f"tfds:{name}/{split}"
     stats = ReadStats(source=where)
     out: list = []
-    examples = _tfds_examples(tfds, name, split, data_dir, download)
-    for idx, example in enumerate(examples):
+    examples = _tfds_examples(tfds, name, split, data_dir, download, shard)
+    for idx, example in examples:
         if limit is not None and idx >= limit:
             break
         k, f = kind, field
