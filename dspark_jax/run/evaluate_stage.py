@@ -75,6 +75,8 @@ def run_evaluate(p) -> dict:
     extra = _analyses(p, all_results, datasets, domains, breakdown, table)
     report = {
         "config": p.cfg.name,
+        # the mesh the decoders ran on (None: one device)
+        "mesh": None if p.rundir.mesh is None else dict(p.rundir.mesh.shape),
         # prompts evaluated / available / too long for the context, per dataset
         "datasets": {k: coverage[k] for k in datasets},
         "datasets_not_evaluated": {k: v for k, v in coverage.items() if k not in datasets},
