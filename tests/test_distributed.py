@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from train_subprocess import drafter_trainer
 
 from dspark_jax import parallel
 from dspark_jax.config import MeshConfig
+from tests.procs import free_port
 
 HERE = Path(__file__).parent
 
@@ -113,15 +113,9 @@ def test_xla_gradient_on_a_2x2x2_mesh_is_correct():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_train_checkpoint_and_resume_in_lockstep(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     env["JAX_PLATFORMS"] = "cpu"

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from host_data_subprocess import tokens
-from test_distributed import _free_port
 
 from dspark_jax.train.data import (
     Conversation,
@@ -21,6 +20,7 @@ from dspark_jax.train.data import (
     write_conversations,
 )
 from dspark_jax.train.data_tfds import read_tfds
+from tests.procs import free_port, wait_all
 
 HERE = Path(__file__).parent
 
@@ -49,21 +49,14 @@ def test_two_processes_read_their_own_rows_and_assemble_the_one_process_batch(tm
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=2")  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
-    port, outs, procs = _free_port(), [tmp_path / f"p{i}.json" for i in range(2)], []
+    port, outs, procs = free_port(), [tmp_path / f"p{i}.json" for i in range(2)], []
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
     for i in range(2):
         cmd = [sys.executable, str(HERE / "host_data_subprocess.py"), str(outs[i]), str(port),
                str(i), str(jsonl), tfds_dir]  # fmt: skip
-        log = open(tmp_path / f"p{i}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            p.wait(timeout=120)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    logs = "\n".join((tmp_path / f"p{i}.log").read_text()[-2000:] for i in range(2))
-    assert all(p.returncode == 0 for p in procs), logs
+        with open(logs[i], "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    wait_all(procs, 300, logs)
     r0, r1 = (json.loads(o.read_text()) for o in outs)
     one, _ = read_conversations(jsonl)
     assert r0["conv_ids"] == [0, 1, 2] and r1["conv_ids"] == [3, 4, 5]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from dspark_jax.config import MeshConfig
 from dspark_jax.errors import ConfigError
 from dspark_jax.launch import init_distributed
 from dspark_jax.parallel import local_mesh
+from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,12 +35,6 @@ print(json.dumps({"multi": multi, "index": jax.process_index(), "count": jax.pro
                   "mesh": dict(mesh.shape)}))
 jax.distributed.shutdown()
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_processes(cmds, timeout):
@@ -84,7 +78,7 @@ def test_incomplete_flags_are_one_line_errors(monkeypatch):
 
 def test_two_processes_join_from_flags_and_from_the_environment(tmp_path):
     """Process 0 from flags, process 1 from JAX_* environment variables: one 4-device mesh."""
-    port = _free_port()
+    port = free_port()
     base = dict(
         os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"
     )
@@ -148,7 +142,7 @@ def test_stage_transitions_in_a_two_process_run(tmp_path):
     """Two processes run the same stage into one run directory: process 0 alone moves folders
     (barriers around each transition), both processes' writes land in the finished output, and a
     rerun finds it cached in both."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", TQDM_DISABLE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run = tmp_path / "run"

@@ -8,23 +8,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.procs import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = "corpus,tokenizer,target,regenerate"
 # 16 regeneration prompts (10 + the 6 calibration ones) in shards of 4 x batch_size = 8 prompts
 SETS = ["--set", "regenerate.max_prompts=10", "--set", "regenerate.batch_size=2"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(run_dir: Path, stages: str, extra=(), **env_extra) -> subprocess.Popen:
@@ -63,7 +58,7 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 @pytest.mark.slow
 def test_two_process_regeneration_equals_one_process(tmp_path):
     run = tmp_path / "run"
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     flags = ["--coordinator", addr, "--num-processes", "2", "--process-id"]
     outs = _wait([_train(run, STAGES, [*flags, str(i)]) for i in range(2)])
     for out in outs:

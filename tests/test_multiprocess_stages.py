@@ -10,7 +10,6 @@ loopback (2 CPU devices each), the models sharded over both (fsdp 2 x tensor 2).
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.procs import free_port
 from tests.test_pipeline_mesh import _env, _report, one_device_run  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = {"data": 1, "fsdp": 2, "tensor": 2}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _one_device_engine_ids(run: Path, prompt: list[int], n: int, **knobs) -> list[int]:
@@ -74,7 +68,7 @@ def test_calibrate_and_evaluate_on_two_processes_give_the_one_process_report(req
     one_run = request.getfixturevalue("one_device_run")  # test_pipeline_mesh's, imported above
     run = tmp_path / "micro"
     shutil.copytree(one_run, run)
-    port = _port()
+    port = free_port()
     # the speed section (timed on the mesh in tests/test_pipeline_mesh.py) is left out
     sets = [f"mesh.{k}={v}" for k, v in MESH.items()] + ["evaluate.speed_prompts=0"]
     args = ["--config", "configs/micro.py", "--run-dir", str(run),
@@ -101,10 +95,10 @@ def test_calibrate_and_evaluate_on_two_processes_give_the_one_process_report(req
 @pytest.mark.slow
 def test_serve_on_two_processes_gives_the_one_device_tokens(request, tmp_path):
     run = request.getfixturevalue("one_device_run")
-    http = _port()
+    http = free_port()
     args = ["serve", "--run-dir", str(run), "--mesh", "1,2,2", "--port", str(http),
             "--num-slots", "2", "--max-len", "128", "--policy", "fixed", "--log-level", "info"]  # fmt: skip
-    procs, logs = _launch("serve.py", args, _port(), tmp_path)
+    procs, logs = _launch("serve.py", args, free_port(), tmp_path)
     url = f"http://127.0.0.1:{http}"
     jobs = [([5, 6, 7, 8, 9, 10], 24, dict(temperature=0.8, top_p=0.9, seed=7)),
             ([11, 12, 13], 20, dict(temperature=0.0)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 
 import httpx
@@ -90,7 +91,7 @@ def _errors(url) -> dict[str, float]:
     return out
 
 
-def _all_free(eng, timeout=10.0):
+def _all_free(eng, timeout=60.0):
     deadline = time.monotonic() + timeout
     while eng.has_work() and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -146,13 +147,33 @@ def test_out_of_memory_on_admission_is_a_500_and_the_server_serves_on(live):
     _all_free(eng)
 
 
-def test_client_leaving_mid_stream_cancels_and_frees_the_slot(live):
+def test_client_leaving_mid_stream_cancels_and_frees_the_slot(live, monkeypatch):
+    """The engine's second round for the request waits until the server has seen the client
+    leave and asked the engine to cancel, so the request cannot reach its length first (on a
+    loaded machine the disconnect can take longer to notice than 50 tokens take to decode)."""
     url, eng, _ = live
     cancelled = eng.metrics().requests_finished_by_reason.get("cancelled", 0)
-    body = _body([9, 8, 7], stream=True) | {"max_tokens": 50}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                break  # leave after the first chunk
-    _all_free(eng)
+    asked, rounds = threading.Event(), []
+    cancel = eng.cancel
+    monkeypatch.setattr(eng, "cancel", lambda rid: (asked.set(), cancel(rid)))
+
+    def hold_second_round(program, run):
+        if program != "prefill":
+            rounds.append(program)
+            if len(rounds) == 2:
+                asked.wait(60)
+        return run()
+
+    eng.programs.set_fault(hold_second_round)
+    try:
+        body = _body([9, 8, 7], stream=True) | {"max_tokens": 50}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # leave after the first chunk
+        assert asked.wait(60), "the server never cancelled the request of the client that left"
+        _all_free(eng)
+    finally:
+        asked.set()
+        eng.programs.set_fault(None)
     assert eng.metrics().requests_finished_by_reason["cancelled"] == cancelled + 1

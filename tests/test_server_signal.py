@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+
+from tests.procs import free_port
 
 SCRIPT = r"""
 import sys
@@ -37,17 +38,11 @@ print("exited cleanly", flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize(
     "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)]
 )
 def test_signal_drains_open_stream_and_exits_cleanly(sig, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     cache = tmp_path_factory.getbasetemp() / "tok_cache"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(

@@ -284,9 +284,10 @@ def build_app(args):
     engine, tok, stop_ids, name = build_engine(args)
     t0 = time.perf_counter()
     engine.warmup()
-    log.info("warm-up: %d compilations in %.1f s (slots %d, max_len %d, token buckets %s)",
-             engine.compilations, time.perf_counter() - t0, engine.num_slots, engine.max_len,
-             engine.token_buckets)  # fmt: skip
+    log.info("warm-up: %d compilations (%d read from the compilation cache) in %.1f s "
+             "(slots %d, max_len %d, token buckets %s)", engine.compilations,
+             engine.compilations_from_cache, time.perf_counter() - t0, engine.num_slots,
+             engine.max_len, engine.token_buckets)  # fmt: skip
     return create_app(engine, tok, name, stop_ids=stop_ids, drain_timeout_s=args.drain_timeout,
                       api_key=api_key(args), max_body_bytes=args.max_body_bytes,
                       request_timeout_s=args.request_timeout or None)  # fmt: skip

@@ -2,9 +2,10 @@
 engine's compile count (`CompileTally`) and the tests' retrace guard (`CompileCounter`).
 
 JAX reports every backend compilation as the duration event
-`/jax/core/compile/backend_compile_duration` and every jaxpr trace as
-`/jax/core/compile/jaxpr_trace_duration` (`jax.monitoring`), synchronously, on the thread that
-triggered it. One process-wide listener forwards each event to
+`/jax/core/compile/backend_compile_duration` (also when the persistent compilation cache served
+the program, which it reports as the event `/jax/compilation_cache/cache_hits`) and every jaxpr
+trace as `/jax/core/compile/jaxpr_trace_duration` (`jax.monitoring`), synchronously, on the
+thread that triggered it. Process-wide listeners forward each event to
 
 * the `CompileTally` active on that thread (the innermost one), so an engine that runs its device
   calls inside `with tally:` counts exactly the compilations its own calls caused: a new shape or
@@ -22,6 +23,7 @@ from jax import monitoring
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -30,7 +32,7 @@ _process_wide: list[CompileTally] = []  # active CompileCounters
 
 
 def _listener(event, duration_secs=None, **kwargs):
-    if event not in (COMPILE_EVENT, TRACE_EVENT):
+    if event not in (COMPILE_EVENT, TRACE_EVENT, CACHE_HIT_EVENT):
         return
     tally = getattr(_local, "tally", None)
     targets = ([tally] if tally is not None else []) + list(_process_wide)
@@ -43,6 +45,7 @@ def _register() -> None:
     with _lock:
         if not _registered:
             monitoring.register_event_duration_secs_listener(_listener)
+            monitoring.register_event_listener(_listener)
             _registered = True
 
 
@@ -56,13 +59,15 @@ class CompileTally:
         tally.count, tally.names, tally.traces
 
     `count`: backend compilations; `names`: their functions; `traces`: jaxpr traces, which also
-    catch a retrace whose compilation a persistent compilation cache served.
+    catch a retrace whose compilation a persistent compilation cache served; `cache_hits`: the
+    compilations the persistent compilation cache served (read from disk, not compiled).
     """
 
     def __init__(self):
         _register()
         self.count = 0
         self.traces = 0
+        self.cache_hits = 0
         self.names: list[str] = []
         self._count_lock = threading.Lock()
 
@@ -70,6 +75,8 @@ class CompileTally:
         with self._count_lock:
             if event == TRACE_EVENT:
                 self.traces += 1
+            elif event == CACHE_HIT_EVENT:
+                self.cache_hits += 1
             else:
                 self.count += 1
                 self.names.append(name)

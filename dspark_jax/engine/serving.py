@@ -164,6 +164,12 @@ class ServingEngine:
         return self._tally.count
 
     @property
+    def compilations_from_cache(self) -> int:
+        """Of `compilations`, those the persistent compilation cache served (read, not
+        compiled; `dspark_jax.runtime.enable_compilation_cache`)."""
+        return self._tally.cache_hits
+
+    @property
     def page_pool(self):
         """The host `PagePool` with kv_layout="paged" (None with slots)."""
         return self.slots.pool if self._paged else None

@@ -1,0 +1,41 @@
+"""What the multi-process tests share: a free loopback port, and waiting on a group of processes
+so that one that fails (or hangs) ends the test at once with every process's last output."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on (the kernel's pick for port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float, logs: list[Path]) -> None:
+    """Wait for every process to exit 0. The first that exits non-zero, or the deadline, kills
+    the others and fails the test with each log's tail (a process whose peer died would
+    otherwise sit in a collective until the deadline, and say nothing)."""
+    deadline, failed = time.monotonic() + timeout, None
+    try:
+        while failed is None and any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                failed = f"still running after {timeout:g} s"
+            for i, p in enumerate(procs):
+                if p.poll() not in (None, 0):
+                    failed = f"process {i} exited with {p.returncode}"
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if failed is None and all(p.returncode == 0 for p in procs):
+        return
+    tails = "\n".join(f"--- process {i} ({log}):\n{Path(log).read_text()[-3000:]}"
+                      for i, log in enumerate(logs))  # fmt: skip
+    raise AssertionError(f"{failed or 'a process failed'}\n{tails}")
