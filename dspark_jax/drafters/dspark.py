@@ -80,7 +80,8 @@ class BlockDrafter(nnx.Module):
         """Normed backbone outputs z [B, N, G, H] for N blocks of G slots.
 
         ctx_kv: per layer (k, v) [B, n_kv, S, d_h] (training: the sequence's own context;
-        inference: the context cache). Block n sees context entries < ctx_len[b, n] and itself.
+        inference: the context cache). Block n sees context entries < ctx_len[b, n] (with
+        `cfg.context_window` W > 0 only those >= ctx_len[b, n] - W) and itself.
         """
         x = embed(self.embed_tokens[...], ids_BxNxG)
         return self.blocks_from_embeddings(ctx_kv, ctx_len_BxN, keep_BxN, x, pos_BxNxG)
@@ -92,12 +93,16 @@ class BlockDrafter(nnx.Module):
         entries κ < ctx_len[b, n] and every slot of its own block (bidirectional), nothing
         else; blocks with keep = False see nothing (their rows are 0, with zero gradient). One
         `attend` over two sets: the context (every block reads it) and the block's own slots
-        (grouped: block n reads only its own G keys)."""
+        (grouped: block n reads only its own G keys). A context window narrows the context
+        set's mask only (as a sliding-window layer's), so training and serving agree."""
         b, n, g = pos_BxNxG.shape
         pos = pos_BxNxG.reshape(b, n * g)
         x = x_BxNxGxH.reshape(b, n * g, -1)
         seq = ctx_kv[0][0].shape[2]
-        m_ctx = (jnp.arange(seq)[None, None, :] < ctx_len_BxN[:, :, None]) & keep_BxN[:, :, None]
+        key_pos = jnp.arange(seq)[None, None, :]
+        m_ctx = (key_pos < ctx_len_BxN[:, :, None]) & keep_BxN[:, :, None]
+        if self.cfg.context_window:  # static: the last W context positions before the anchor
+            m_ctx = m_ctx & (key_pos >= ctx_len_BxN[:, :, None] - self.cfg.context_window)
         m_ctx = m_ctx[:, :, None, :]  # [B, N, 1, S]
         m_blk = keep_BxN[:, :, None, None]  # [B, N, 1, 1]
         for layer, (kc, vc) in zip(self.layers, ctx_kv):

@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from dspark_jax.compat import check_cost_profile, check_drafter_dtype
-from dspark_jax.drafters.api import share_target_tables
+from dspark_jax.drafters.api import narrow_context_window, share_target_tables
 from dspark_jax.drafters.compat import check_fits
 from dspark_jax.engine import faults
 from dspark_jax.engine.commit import Committer, EngineCounters
@@ -96,10 +96,15 @@ def _scheduler(config, dcfg, policy, gamma, threshold, cost_profile, sts) -> Sch
 class ServingEngine:
     def __init__(self, tcfg, dcfg, tparams, dparams, *, policy="fixed", gamma: int | None = None,
                  threshold: float = 0.5, cost_profile=None, sts=None, mesh=None,
-                 config: EngineConfig | None = None, **config_kw):  # fmt: skip
+                 config: EngineConfig | None = None, context_window: int | None = None,
+                 **config_kw):  # fmt: skip
         """`config_kw` (without `config`): `EngineConfig.build`'s keywords (num_slots, max_len,
         prompt_buckets, token_buckets, cache_buckets, modes, rounds_per_call, max_queue,
-        root_seed, kv_layout, page_size, num_pages, prefill_tokens_per_step). `policy` .. `sts`: the Scheduler's (`set_policy` swaps it)."""
+        root_seed, kv_layout, page_size, num_pages, prefill_tokens_per_step). `policy` .. `sts`:
+        the Scheduler's (`set_policy` swaps it). `context_window`: the drafter's context window
+        at serving time (None: as trained; it may narrow the trained one, never widen it,
+        `drafters.api.narrow_context_window`)."""
+        dcfg = narrow_context_window(dcfg, context_window)
         check_fits(tcfg, dcfg)
         check_drafter_dtype(dcfg, dparams)
         if config is None:

@@ -158,6 +158,7 @@ class RunDir:
             num_layers=d.num_layers,
             num_anchors=d.num_anchors,
             mask_token_id=self.mask_token_id(tcfg),
+            context_window=d.context_window,
         )
         if kind == "dflash":
             return DrafterConfig.dflash(tcfg, **common)
