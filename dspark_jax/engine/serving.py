@@ -154,6 +154,8 @@ class ServingEngine:
     gamma = property(lambda self: self.config.gamma)
     num_slots = property(lambda self: self.config.num_slots)
     max_len = property(lambda self: self.config.max_len)
+    token_limit = property(lambda self: self.config.token_limit,
+                           doc="prompt + new tokens one request may hold")  # fmt: skip
     max_queue = property(lambda self: self.config.max_queue)
     modes = property(lambda self: self.config.modes)
     rounds_per_call = property(lambda self: self.config.rounds_per_call)
@@ -200,7 +202,8 @@ class ServingEngine:
     def submit(self, prompt_ids, params: RequestParams) -> RequestHandle:
         """Validate and queue a request (RequestError if invalid, QueueFull if the queue is full)."""
         try:
-            prompt = validate_request(prompt_ids, params, self.config, self.tcfg.vocab_size)
+            prompt = validate_request(prompt_ids, params, self.config, self.tcfg.vocab_size,
+                                      self.tcfg.max_position_embeddings)  # fmt: skip
         except RequestError:
             with self._lock:
                 self._counters.add("rejected")
