@@ -251,11 +251,12 @@ class RunDir:
         return self.target()[0].max_position_embeddings
 
     def prompt_limit(self, max_new_tokens: int, cap: int = 0) -> int:
-        """Longest prompt that fits `max_new_tokens` (+ γ + 2 lookahead) in the target's context
-        (or in `cap` positions when smaller; `cap=0`: the target's context)."""
+        """Longest prompt that fits `max_new_tokens` in the target's context (or in `cap`
+        tokens when smaller; `cap=0`: the target's context). The engine adds the γ + 1
+        lookahead positions of verification to its cache (`EngineConfig.max_len_for`)."""
         ctx = self.context_len()
         ctx = min(cap, ctx) if cap else ctx
-        return ctx - max_new_tokens - self.config.drafters.block_size - 2
+        return ctx - max_new_tokens
 
     def decoder(
         self, kind: str, max_len: int | None = None, length_buckets=None, *, num_slots=0,
@@ -271,7 +272,9 @@ class RunDir:
         from dspark_jax.engine import ServingEngine
         from dspark_jax.engine.serving import MODES
 
-        max_len = max_len or self.config.evaluate.max_len or self.context_len()
+        ctx = self.context_len()
+        tokens = min(self.config.evaluate.max_len or ctx, ctx)
+        max_len = max_len or tokens + self.config.drafters.block_size + 1  # + γ + 1 lookahead
         tcfg, tparams = self.target()
         dcfg, dparams = self.drafter(kind)
         buckets = length_buckets or (
@@ -316,5 +319,7 @@ class RunDir:
             buckets = (top,)
             full = self._slots(engine.get("num_slots", 0)) * g1
             engine.setdefault("token_buckets", (max(g1, full // 2), full))
-        extra = max_new_tokens + g1 + 1
+        # the prompt bucket + the new tokens + γ + 1 lookahead positions (at most the
+        # context + γ + 1: `EngineConfig.max_len_for`)
+        extra = max_new_tokens + g1
         return self.decoder(kind, max_len=top + extra, length_buckets=buckets, **engine)
