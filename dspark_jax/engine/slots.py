@@ -123,8 +123,7 @@ def validate_request(prompt_ids, params, config, vocab: int, context: int = 0) -
         raise RequestError(
             f"prompt ({arr.size} tokens) + max_new_tokens ({mx}) exceeds the engine's limit of "
             f"{limit} tokens per request (max_len={config.max_len} less γ + 1 = "
-            f"{config.gamma + 1} lookahead positions); shorten the prompt or max_new_tokens"
-            + wider
+            f"{config.gamma + 1} lookahead positions); shorten the prompt or max_new_tokens" + wider
         )
     if getattr(config, "kv_layout", "slots") == "paged":
         pages = -(-need // config.page_size)
