@@ -263,10 +263,10 @@ class DrafterConfig:
         Must divide num_anchors.
       dtype: parameter / activation dtype ("float32" or "bfloat16"); losses are always fp32.
       seed: default RNG seed (42 for DSpark/DFlash, 0 for Eagle3 in the reference).
-      context_window: 0 = a block sees the whole context; W > 0 = a block anchored at position
-        a sees only the context positions a - W .. a - 1 (the last W committed positions), in
-        training and at serving time alike (DSpark/DFlash; `drafters.api.narrow_context_window`
-        narrows it for serving, never widens it).
+      context_window: 0 = the whole context; W > 0 = a DSpark/DFlash block anchored at position
+        a sees only the context positions a - W .. a - 1 (the last W committed positions), an
+        Eagle3 position t only the positions t - W + 1 .. t; in training and at serving time
+        alike (`drafters.api.narrow_context_window` narrows it for serving, never widens it).
     """
 
     target: TargetConfig
@@ -306,11 +306,6 @@ class DrafterConfig:
             raise ConfigError(
                 f"context_window={self.context_window!r} must be an integer >= 0 (0 = the whole "
                 "context)"
-            )
-        if self.context_window and self.kind == "eagle3":
-            raise ConfigError(
-                "context_window is supported for DSpark / DFlash drafters only; set "
-                "context_window=0 for Eagle3"
             )
         v = self.target.vocab_size
         if self.kind == "eagle3":

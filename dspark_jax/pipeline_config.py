@@ -115,8 +115,8 @@ class DrafterStage:
     markov_rank: int = 64
     markov_head_type: str = "vanilla"
     num_anchors: int = 64
-    # DSpark / DFlash: a block sees only the last context_window positions (0: the whole
-    # context), in training and at serving time (recorded with the drafter)
+    # the drafters see only the last context_window positions (0: the whole context), in
+    # training and at serving time (recorded with each drafter)
     context_window: int = 0
     train: TrainConfig = DRAFTER_TRAIN
     min_loss_tokens: int = 4

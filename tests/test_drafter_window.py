@@ -1,7 +1,8 @@
-"""A drafter's context window (`DrafterConfig.context_window`): a block anchored at position a sees
-only the context positions a - W .. a - 1, in training and on both KV layouts of the engine; a
-window wider than every context changes nothing; greedy speculative output still equals plain
-greedy decoding; the window survives save / load; serving may narrow it, never widen it."""
+"""A drafter's context window (`DrafterConfig.context_window`): a DSpark/DFlash block anchored at
+position a sees only the context positions a - W .. a - 1 (Eagle3: position t sees t - W + 1 ..
+t), in training and on both KV layouts of the engine; a window wider than every context changes
+nothing; greedy speculative output still equals plain greedy decoding; the window survives save
+/ load; serving may narrow it, never widen it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from dspark_jax.compat import check_trained_window
 from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters import paged_context
 from dspark_jax.drafters.dspark import extend_block_context, init_block_context, single_block
+from dspark_jax.drafters.eagle3 import (
+    extend_eagle3_context,
+    init_eagle3_context,
+    propose_eagle3,
+    ttt_hidden,
+)
 from dspark_jax.drafters.hf import load_hf_drafter, save_hf_drafter
 from dspark_jax.engine import RequestParams, ServingEngine
 from dspark_jax.errors import ConfigError
@@ -72,9 +79,10 @@ def test_a_window_wider_than_every_context_is_bit_identical(pair):
     tcfg = dcfg.target
     tp = pair[1]
     batch = drafter_batch(tcfg, tp, batch=2, length=24)
-    la, _ = loss_fn(dcfg, dp.trainable, dp.frozen, batch, jax.random.key(1))
-    lb, _ = loss_fn(_windowed(dcfg, 24), dp.trainable, dp.frozen, batch, jax.random.key(1))
-    lc, _ = loss_fn(_windowed(dcfg, 2), dp.trainable, dp.frozen, batch, jax.random.key(1))
+    loss = jax.jit(loss_fn, static_argnums=0)
+    la, _ = loss(dcfg, dp.trainable, dp.frozen, batch, jax.random.key(1))
+    lb, _ = loss(_windowed(dcfg, 24), dp.trainable, dp.frozen, batch, jax.random.key(1))
+    lc, _ = loss(_windowed(dcfg, 2), dp.trainable, dp.frozen, batch, jax.random.key(1))
     assert float(la) == float(lb)
     assert float(la) != float(lc)  # a narrow window does reach the training loss
 
@@ -106,16 +114,25 @@ def test_a_small_window_sees_only_the_last_w_positions_on_both_layouts(pair):
 
 
 PROMPTS = [[3, 9, 1] * 9, [5, 6, 7, 8, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48] * 3]
-MAX_NEW = [30, 25, 33]
+MAX_NEW = [24, 20, 24]
+
+
+@pytest.fixture(scope="module")
+def refs(pair):
+    tcfg, tp, _, _ = pair
+    return [generate(tcfg, tp, [p], max_new_tokens=m)[0] for p, m in zip(PROMPTS, MAX_NEW)]
 
 
 @pytest.mark.parametrize("layout", ["slots", "paged"])
-def test_greedy_with_a_windowed_drafter_equals_plain_greedy(pair, layout):
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_greedy_with_a_windowed_drafter_equals_plain_greedy(pair, refs, layout, kind):
     tcfg, tp, dcfg, dp = pair
-    refs = [generate(tcfg, tp, [p], max_new_tokens=m)[0] for p, m in zip(PROMPTS, MAX_NEW)]
-    eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=2, max_len=96, prompt_buckets=(16, 32),
-                        modes=("greedy",), kv_layout=layout, page_size=8,
-                        context_window=3)  # fmt: skip
+    if kind == "eagle3":  # untrained: exactness holds whatever the drafter proposes
+        dcfg = DrafterConfig.eagle3(tcfg, block_size=G)
+        dp = drafters.init_params(dcfg, seed=1, target_params=tp)
+    eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=2, max_len=80, prompt_buckets=(32,),
+                        token_buckets=(2 * (G + 1),), modes=("greedy",), kv_layout=layout,
+                        page_size=8, context_window=3)  # fmt: skip
     assert eng.dcfg.context_window == 3
     hs = [eng.submit(p, RequestParams(m, temperature=0.0)) for p, m in zip(PROMPTS, MAX_NEW)]
     while eng.has_work():
@@ -153,5 +170,35 @@ def test_serving_narrows_the_window_and_refuses_to_widen_it(pair):
         ServingEngine(tcfg, wcfg, tp, dp, num_slots=1, max_len=64, context_window=9)
     with pytest.raises(ConfigError, match=">= 1"):
         drafters.narrow_context_window(wcfg, 0)
-    with pytest.raises(ConfigError, match="Eagle3"):
-        DrafterConfig.eagle3(tcfg, context_window=4)
+    with pytest.raises(ConfigError, match="context_window"):
+        DrafterConfig.eagle3(tcfg, context_window=-1)
+
+
+def test_eagle3_window_training_equals_inference_and_a_wide_window_changes_nothing(pair):
+    tcfg, tp, _, _ = pair
+    batch = drafter_batch(tcfg, tp, batch=1, length=24)
+    feats, ids = batch["target_features"], batch["input_ids"]
+    ts = [5, 12]  # the anchor x_{t+1} follows the last committed feature t
+
+    def run(cfg, params):
+        model = drafters.build(cfg, params)
+        steps = ttt_hidden(model, feats, ids, jnp.array([ids.shape[1]]))  # [γ, 1, L, H]
+        p_ttt = jax.nn.softmax(model.logits(steps[:, 0]), -1)  # [γ, L, V]
+        nxt = jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1)
+        f2, n2 = jnp.concatenate([feats, feats]), jnp.concatenate([nxt, nxt])
+        ctx = init_eagle3_context(cfg, 2, 32)
+        ctx = extend_eagle3_context(model, ctx, f2, n2, jnp.array([t + 1 for t in ts]))
+        forced = jnp.stack([ids[0, t + 2 : t + 2 + G] for t in ts])
+        prop = propose_eagle3(model, ctx, jax.random.key(0), jnp.array([0, 1]), forced_BxG=forced)
+        return p_ttt, prop
+
+    base = DrafterConfig.eagle3(tcfg, block_size=G)
+    params = drafters.init_params(base, seed=3, target_params=tp)
+    p0, prop0 = run(base, params)
+    p_wide, prop_wide = run(_windowed(base, 24), params)
+    np.testing.assert_array_equal(np.asarray(p0), np.asarray(p_wide))
+    np.testing.assert_array_equal(np.asarray(prop0.probs), np.asarray(prop_wide.probs))
+    p3, prop3 = run(_windowed(base, 3), params)
+    for r, t in enumerate(ts):  # training (TTT) and inference agree under the window
+        np.testing.assert_allclose(prop3.probs[r], p3[:, t], atol=2e-6)
+    assert not np.allclose(np.asarray(prop3.probs[1]), np.asarray(prop0.probs[1]), atol=1e-4)

@@ -40,7 +40,7 @@ from dspark_jax.drafters.common import (
     sampling_probs,
 )
 from dspark_jax.drafters.heads import ConfidenceHead, MarkovHead
-from dspark_jax.models.layers import Linear, RMSNorm, attend, dtype_of, normal_init
+from dspark_jax.models.layers import Linear, RMSNorm, attend, dtype_of, normal_init, visible
 from dspark_jax.models.transformer import DecoderLayer
 
 
@@ -99,11 +99,11 @@ class BlockDrafter(nnx.Module):
         pos = pos_BxNxG.reshape(b, n * g)
         x = x_BxNxGxH.reshape(b, n * g, -1)
         seq = ctx_kv[0][0].shape[2]
-        key_pos = jnp.arange(seq)[None, None, :]
-        m_ctx = (key_pos < ctx_len_BxN[:, :, None]) & keep_BxN[:, :, None]
-        if self.cfg.context_window:  # static: the last W context positions before the anchor
-            m_ctx = m_ctx & (key_pos >= ctx_len_BxN[:, :, None] - self.cfg.context_window)
-        m_ctx = m_ctx[:, :, None, :]  # [B, N, 1, S]
+        # context κ <= anchor - 1 (within the last W positions with a window), as a query at
+        # the anchor's previous position would see it
+        key_pos = jnp.broadcast_to(jnp.arange(seq), (b, seq))
+        m_ctx = visible(key_pos, ctx_len_BxN - 1, self.cfg.context_window or None)  # [B, N, S]
+        m_ctx = (m_ctx & keep_BxN[:, :, None])[:, :, None, :]  # [B, N, 1, S]
         m_blk = keep_BxN[:, :, None, None]  # [B, N, 1, 1]
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
             attn = layer.self_attn

@@ -151,14 +151,13 @@ class RunDir:
 
     def drafter_config(self, kind: str, tcfg: TargetConfig) -> DrafterConfig:
         d = self.config.drafters
-        common = dict(block_size=d.block_size, seed=d.train.seed)
+        common = dict(block_size=d.block_size, seed=d.train.seed, context_window=d.context_window)
         if kind == "eagle3":
             return DrafterConfig.eagle3(tcfg, **common)
         common.update(
             num_layers=d.num_layers,
             num_anchors=d.num_anchors,
             mask_token_id=self.mask_token_id(tcfg),
-            context_window=d.context_window,
         )
         if kind == "dflash":
             return DrafterConfig.dflash(tcfg, **common)
