@@ -163,7 +163,7 @@ def generate(
     seeds: Sequence[int] | None = None,
     key: jax.Array | int = 0,
     batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
-    length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+    length_buckets: Sequence[int] | None = None,
     loop: str = "device",
 ) -> list[list[int]]:
     """Generate continuations for a list of token-id prompts; returns the new tokens per prompt.
@@ -180,8 +180,9 @@ def generate(
       seeds: one integer per prompt (default: its index); with `key` they fix the randomness.
       key: base PRNG key or an int seed for it.
       batch_buckets / length_buckets: static sizes. Batches above the largest batch bucket are
-        split; the cache length is a length bucket too. The target's context is always a
-        length bucket (larger ones are dropped), so every request within the context runs.
+        split; the cache length is a length bucket too. Default length buckets: powers of two
+        below the target's context, then the context itself, so every request within the
+        context runs; given ones are the caller's limit (capped at the context).
       loop: "device" (one jitted while loop per batch), "host" (a jitted step per token, for
         comparison) or "queue" (continuous batching: up to max(batch_buckets) rows work through
         every prompt in one loop, a finished row taking the next prompt; `models.generate_queue`).
@@ -197,7 +198,8 @@ def generate(
         raise ValueError(f"loop must be 'device', 'host' or 'queue', got {loop!r}")
     lens = np.array([len(p) for p in prompts], np.int64)
     max_new = _per_request("max_new_tokens", max_new_tokens, n)
-    length_buckets = context_buckets(length_buckets, cfg.max_position_embeddings)
+    if length_buckets is None:
+        length_buckets = context_buckets(DEFAULT_LENGTH_BUCKETS, cfg.max_position_embeddings)
     _check_prompts(cfg, prompts, lens, max_new, length_buckets)
     stop = np.asarray(list(stop_ids), np.int64).reshape(-1)
     if stop.size and (stop.min() < 0 or stop.max() >= cfg.vocab_size):
