@@ -69,6 +69,19 @@ def check_trained_block(block_size: int, trained_block: int | None, where: str =
         )
 
 
+def check_trained_window(window: int, trained_window: int | None, where: str = "") -> None:
+    """A drafter config's context window equals the one its checkpoint was trained with (None:
+    not recorded, i.e. 0, the whole context); serving narrows it afterwards
+    (`drafters.api.narrow_context_window`)."""
+    trained = int(trained_window or 0)
+    if trained != int(window):
+        at = f" ({where})" if where else ""
+        raise ConfigError(
+            f"drafters.context_window={window} but the drafter was trained with context_window="
+            f"{trained}{at} — set drafters.context_window={trained} (or retrain)"
+        )
+
+
 def check_sts(sts: STS | None, gamma: int) -> None:
     """STS temperatures are per draft position, fitted for one γ: another γ's are refused."""
     if sts is not None and len(sts.temperatures) != gamma:

@@ -263,6 +263,10 @@ class DrafterConfig:
         Must divide num_anchors.
       dtype: parameter / activation dtype ("float32" or "bfloat16"); losses are always fp32.
       seed: default RNG seed (42 for DSpark/DFlash, 0 for Eagle3 in the reference).
+      context_window: 0 = the whole context; W > 0 = a DSpark/DFlash block anchored at position
+        a sees only the context positions a - W .. a - 1 (the last W committed positions), an
+        Eagle3 position t only the positions t - W + 1 .. t; in training and at serving time
+        alike (`drafters.api.narrow_context_window` narrows it for serving, never widens it).
     """
 
     target: TargetConfig
@@ -283,6 +287,7 @@ class DrafterConfig:
     anchor_chunk: int = 0
     dtype: str = "float32"
     seed: int = 42
+    context_window: int = 0
 
     def __post_init__(self):
         if not isinstance(self.target, TargetConfig):
@@ -297,6 +302,11 @@ class DrafterConfig:
             )
         if self.target.architecture == "gemma4":
             raise ConfigError("drafters for Gemma 4 targets are not supported yet (issue 41)")
+        if not (isinstance(self.context_window, int) and self.context_window >= 0):
+            raise ConfigError(
+                f"context_window={self.context_window!r} must be an integer >= 0 (0 = the whole "
+                "context)"
+            )
         v = self.target.vocab_size
         if self.kind == "eagle3":
             if self.num_layers != 1:

@@ -115,6 +115,9 @@ class DrafterStage:
     markov_rank: int = 64
     markov_head_type: str = "vanilla"
     num_anchors: int = 64
+    # the drafters see only the last context_window positions (0: the whole context), in
+    # training and at serving time (recorded with each drafter)
+    context_window: int = 0
     train: TrainConfig = DRAFTER_TRAIN
     min_loss_tokens: int = 4
     eval_one_in: int = 20

@@ -188,7 +188,7 @@ def test_a_config_object_builds_the_same_engine_as_its_keywords(pair, refs):
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.num_slots = 3
     with pytest.raises(ConfigError, match="max_position_embeddings"):  # checked like keywords
-        too_long = tcfg.max_position_embeddings + 1
+        too_long = tcfg.max_position_embeddings + G + 2  # the context + γ + 1 lookahead fits
         ServingEngine(tcfg, dcfg, tp, dp, config=dataclasses.replace(cfg, max_len=too_long))
 
 

@@ -64,7 +64,7 @@ def test_checkpoints_load_with_alg1_and_the_fallback_is_logged(ckpts, caplog):
                  "--max-len", "128", "--model-name", "m")  # fmt: skip
     with caplog.at_level(logging.INFO, logger="dspark.serve"):
         engine, tok, stop_ids, name = serve_http.build_engine(args)
-    assert name == "m" and engine.num_slots == 2 and engine.max_len == 128
+    assert name == "m" and engine.num_slots == 2 and engine.token_limit == 128
     assert isinstance(engine.scheduler.policy, CausalGreedy)
     assert 2 in stop_ids  # <|im_end|>
     text = caplog.text
@@ -99,6 +99,24 @@ def test_drafter_for_another_tokenizer_is_one_line(ckpts, capsys):
     assert serve_http.run(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "vocabulary hash" in err and "\n" not in err
+
+
+def test_max_len_defaults_to_the_context_and_the_drafter_window_narrows(ckpts, tmp_path, capsys):
+    target, drafter = ckpts
+    args = _args("serve", "--target", target, "--drafter", drafter["dflash"], "--num-slots", "1",
+                 "--drafter-context-window", "16")  # fmt: skip
+    engine, *_ = serve_http.build_engine(args)
+    assert engine.token_limit == engine.tcfg.max_position_embeddings == 512
+    assert engine.dcfg.context_window == 16
+    # a drafter trained with a window of 8 is refused a wider one, in one line
+    dcfg = tiny_drafter_config("dflash", tiny_target_config(vocab_size=512), mask_token_id=3,
+                               context_window=8)  # fmt: skip
+    save_hf_drafter(dcfg, drafters.init_params(dcfg), tmp_path / "w8")
+    args = _args("serve", "--target", target, "--drafter", str(tmp_path / "w8"),
+                 "--num-slots", "1", "--drafter-context-window", "16")  # fmt: skip
+    assert serve_http.run(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "wider than the 8 positions" in err and "\n" not in err
 
 
 def _fake_run(root, target, kinds=("dspark",)):
@@ -169,6 +187,7 @@ def test_api_key_flag_else_environment(monkeypatch):
         (["bench", "--url", "http://10.1.2.3:8000"], "only targets this machine"),
         (["bench", "--url", "http://127.0.0.1:9", "--requests", "0"], "--requests"),
         (["serve", "--run-dir", "/nonexistent/run", "--max-body-bytes", "0"], "--max-body-bytes"),
+        (["serve", "--run-dir", "/nonexistent/run", "--max-len", "-1"], "--max-len"),
         (
             ["serve", "--run-dir", "/nonexistent/run", "--request-timeout", "-1"],
             "--request-timeout",

@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     g.add_argument("--threshold", type=float, default=0.5)
     g.add_argument("--cost-profile", default="", help="decode_cost.py JSON (SPS(B) table)")
+    g.add_argument("--drafter-context-window", type=int, default=None, metavar="W",
+                   help="DSpark/DFlash: draft from the last W context positions only (default: "
+                        "as trained; may narrow the trained window, not widen it)")  # fmt: skip
     g.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     g.add_argument("--mesh", default="", metavar="DATA,FSDP,TENSOR",
                    help="device mesh, e.g. 1,1,8 = tensor parallel over 8 devices")  # fmt: skip
@@ -76,7 +79,8 @@ def generate(args) -> int:
         policy = _policy(args, run)
         tok = run.tokenizer()
         prompts = [encode_prompt(tok, p).tolist() for p in args.prompt]
-        dec = run.decoder_for(args.drafter, [len(p) for p in prompts], args.max_new_tokens)
+        dec = run.decoder_for(args.drafter, [len(p) for p in prompts], args.max_new_tokens,
+                              context_window=args.drafter_context_window)  # fmt: skip
         if policy:
             name, kw = policy
             dec.set_policy(name, **kw)

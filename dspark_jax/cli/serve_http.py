@@ -57,7 +57,12 @@ def add_subcommands(sub) -> None:
     s.add_argument("--threshold", type=float, default=0.5, help="threshold policy")
     s.add_argument("--cost-profile", default="", help="decode_cost.py JSON for alg1 / async")
     s.add_argument("--num-slots", type=int, default=8, help="concurrent requests on the device")
-    s.add_argument("--max-len", type=int, default=1024, help="prompt + completion tokens, max")
+    s.add_argument("--max-len", type=int, default=0,
+                   help="prompt + completion tokens of a request, max (0: the target's context; "
+                        "the slots layout reserves --num-slots x this many positions)")  # fmt: skip
+    s.add_argument("--drafter-context-window", type=int, default=None, metavar="W",
+                   help="DSpark/DFlash: draft from the last W context positions only (default: "
+                        "the window the drafter was trained with; may narrow it, not widen)")  # fmt: skip
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     s.add_argument("--kv-layout", default="slots", choices=("slots", "paged"),
                    help="paged: K/V in a pool of pages, admission by free pages, preemption by "
@@ -247,7 +252,7 @@ def build_engine(args):
     profile and calibration the server runs with, and where each came from."""
     import jax
 
-    from dspark_jax.engine.serving import ServingEngine
+    from dspark_jax.engine.serving import EngineConfig, ServingEngine
     from dspark_jax.engine.sharding import mesh_from_flag
 
     t0 = time.perf_counter()
@@ -262,11 +267,14 @@ def build_engine(args):
         cost = _cost_profile(args, run_cost, where, n_params, policy)
     if policy in ("alg1", "async", "threshold") and sts is None:
         log.warning("no STS calibration for this drafter: confidences are used uncalibrated")
-    max_len = min(args.max_len, tcfg.max_position_embeddings)
-    if max_len < args.max_len:
-        log.warning("--max-len %d capped to the target's %d positions", args.max_len, max_len)
+    ctx = tcfg.max_position_embeddings
+    tokens = min(args.max_len or ctx, ctx)
+    if tokens < args.max_len:
+        log.warning("--max-len %d capped to the target's context of %d tokens", args.max_len, ctx)
     engine = ServingEngine(
-        tcfg, dcfg, tparams, dparams, num_slots=args.num_slots, max_len=max_len,
+        tcfg, dcfg, tparams, dparams, num_slots=args.num_slots,
+        max_len=EngineConfig.max_len_for(tokens, dcfg.block_size),
+        context_window=args.drafter_context_window,
         policy=policy, gamma=args.gamma, threshold=args.threshold, cost_profile=cost,
         sts=sts, max_queue=args.max_queue, root_seed=args.seed, mesh=mesh_from_flag(args.mesh),
         kv_layout=args.kv_layout, page_size=args.page_size, num_pages=args.num_pages,
@@ -285,16 +293,18 @@ def build_app(args):
     t0 = time.perf_counter()
     engine.warmup()
     log.info("warm-up: %d compilations (%d read from the compilation cache) in %.1f s "
-             "(slots %d, max_len %d, token buckets %s)", engine.compilations,
+             "(slots %d, max_len %d tokens, token buckets %s)", engine.compilations,
              engine.compilations_from_cache, time.perf_counter() - t0, engine.num_slots,
-             engine.max_len, engine.token_buckets)  # fmt: skip
+             engine.token_limit, engine.token_buckets)  # fmt: skip
     return create_app(engine, tok, name, stop_ids=stop_ids, drain_timeout_s=args.drain_timeout,
                       api_key=api_key(args), max_body_bytes=args.max_body_bytes,
                       request_timeout_s=args.request_timeout or None)  # fmt: skip
 
 
 def check_limits(args) -> None:
-    """The access-limit flags, checked before any model loads."""
+    """The access-limit and length flags, checked before any model loads."""
+    if args.max_len < 0:
+        raise ValueError(f"--max-len must be >= 0 (0: the target's context), got {args.max_len}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.request_timeout < 0:

@@ -99,6 +99,22 @@ def share_target_tables(params: DrafterParams, target_params: nnx.State) -> Draf
     return params._replace(frozen=jax.tree.map(shared, params.frozen))
 
 
+def narrow_context_window(cfg: DrafterConfig, window: int | None) -> DrafterConfig:
+    """`cfg` serving with context window `window` (None: as trained). It may narrow the window the
+    drafter was trained with (0 = the whole context), never widen it: a drafter trained on W
+    positions is refused more (ConfigError naming the limit)."""
+    if window is None or window == cfg.context_window:
+        return cfg
+    if not (isinstance(window, int) and window >= 1):
+        raise ConfigError(f"context window {window!r} must be an integer >= 1 (None: as trained)")
+    if cfg.context_window and window > cfg.context_window:
+        raise ConfigError(
+            f"context window {window} is wider than the {cfg.context_window} positions the "
+            f"{cfg.kind} drafter was trained with; use a window <= {cfg.context_window}"
+        )
+    return cfg.replace(context_window=window)
+
+
 def build(cfg: DrafterConfig, params: DrafterParams):
     """The NNX module for `params` (inside jit: a pure merge)."""
     return nnx.merge(graphdef(cfg), params.trainable, params.frozen)

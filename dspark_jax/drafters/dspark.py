@@ -40,7 +40,7 @@ from dspark_jax.drafters.common import (
     sampling_probs,
 )
 from dspark_jax.drafters.heads import ConfidenceHead, MarkovHead
-from dspark_jax.models.layers import Linear, RMSNorm, attend, dtype_of, normal_init
+from dspark_jax.models.layers import Linear, RMSNorm, attend, dtype_of, normal_init, visible
 from dspark_jax.models.transformer import DecoderLayer
 
 
@@ -80,7 +80,8 @@ class BlockDrafter(nnx.Module):
         """Normed backbone outputs z [B, N, G, H] for N blocks of G slots.
 
         ctx_kv: per layer (k, v) [B, n_kv, S, d_h] (training: the sequence's own context;
-        inference: the context cache). Block n sees context entries < ctx_len[b, n] and itself.
+        inference: the context cache). Block n sees context entries < ctx_len[b, n] (with
+        `cfg.context_window` W > 0 only those >= ctx_len[b, n] - W) and itself.
         """
         x = embed(self.embed_tokens[...], ids_BxNxG)
         return self.blocks_from_embeddings(ctx_kv, ctx_len_BxN, keep_BxN, x, pos_BxNxG)
@@ -92,13 +93,17 @@ class BlockDrafter(nnx.Module):
         entries κ < ctx_len[b, n] and every slot of its own block (bidirectional), nothing
         else; blocks with keep = False see nothing (their rows are 0, with zero gradient). One
         `attend` over two sets: the context (every block reads it) and the block's own slots
-        (grouped: block n reads only its own G keys)."""
+        (grouped: block n reads only its own G keys). A context window narrows the context
+        set's mask only (as a sliding-window layer's), so training and serving agree."""
         b, n, g = pos_BxNxG.shape
         pos = pos_BxNxG.reshape(b, n * g)
         x = x_BxNxGxH.reshape(b, n * g, -1)
         seq = ctx_kv[0][0].shape[2]
-        m_ctx = (jnp.arange(seq)[None, None, :] < ctx_len_BxN[:, :, None]) & keep_BxN[:, :, None]
-        m_ctx = m_ctx[:, :, None, :]  # [B, N, 1, S]
+        # context κ <= anchor - 1 (within the last W positions with a window), as a query at
+        # the anchor's previous position would see it
+        key_pos = jnp.broadcast_to(jnp.arange(seq), (b, seq))
+        m_ctx = visible(key_pos, ctx_len_BxN - 1, self.cfg.context_window or None)  # [B, N, S]
+        m_ctx = (m_ctx & keep_BxN[:, :, None])[:, :, None, :]  # [B, N, 1, S]
         m_blk = keep_BxN[:, :, None, None]  # [B, N, 1, 1]
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
             attn = layer.self_attn

@@ -29,7 +29,16 @@ from dspark_jax.drafters.common import (
     sampling_probs,
     shift_left,
 )
-from dspark_jax.models.layers import MLP, Attention, Linear, RMSNorm, attend, dtype_of, normal_init
+from dspark_jax.models.layers import (
+    MLP,
+    Attention,
+    Linear,
+    RMSNorm,
+    attend,
+    dtype_of,
+    normal_init,
+    visible,
+)
 
 
 class Eagle3Layer(nnx.Module):
@@ -80,15 +89,17 @@ def ttt_hidden(model: Eagle3Drafter, features_BxTxF, input_ids_BxT, valid_len_B)
 
     Step k: token x_{t+k+1}, RoPE position t+k, hidden g^k (g^0 = fc(F)). Query t attends the
     step-0 keys at positions ≤ t and its own position's keys of steps 1..k (the diagonal);
-    queries and step-0 keys at positions ≥ valid_len − k are masked (such rows output 0).
-    Gradients flow through every step, including through the earlier steps' K/V.
+    queries and step-0 keys at positions ≥ valid_len − k are masked (such rows output 0). With
+    `cfg.context_window` W > 0 query t sees only the step-0 keys at positions > t − W (as at
+    inference). Gradients flow through every step, including through the earlier steps' K/V.
     """
     cfg = model.cfg
     layer = model.layers[0]
     attn = layer.self_attn
     b, t = input_ids_BxT.shape
     pos0 = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T(q), T(k)]
+    window = cfg.context_window or None
+    causal = visible(pos0[:1], pos0[:1], window)[0]  # [T(q), T(k)]
     g = model.project(features_BxTxF)
     k0 = v0 = None
     diag_k, diag_v, outs = [], [], []
@@ -162,7 +173,8 @@ def extend_eagle3_context(
     heads = jnp.arange(kk.shape[1])[None, :, None]
     ck = ctx.k.at[rows, heads, write].set(kk.astype(ctx.k.dtype), mode="drop")
     cv = ctx.v.at[rows, heads, write].set(vv.astype(ctx.v.dtype), mode="drop")
-    cache_mask = jnp.arange(s)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    key_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    cache_mask = visible(key_pos, pos, model.cfg.context_window or None)  # [B, T, S]
     a = attend(q, [(ck, cv, cache_mask)])
     g_out = layer.finish(g_in, a.astype(g_in.dtype))
     last = jnp.clip(num_new_B - 1, 0, t - 1)
@@ -197,7 +209,10 @@ def propose_eagle3(
     noise = None if forced_BxG is not None else draft_noise(keys.T, vocab, scfg)  # [γ, B, V]
     first, rest = (None, None) if noise is None else (noise[0], noise[1:])
     forced = jnp.zeros((b, gam), jnp.int32) if forced_BxG is None else forced_BxG
-    cache_mask = (jnp.arange(s)[None, :] < start[:, None])[:, None, :]  # [B, 1, S]
+    # the committed positions <= start - 1 (the last one's feature is the anchor's), windowed
+    # as the training steps' keys of that query
+    key_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    cache_mask = visible(key_pos, start[:, None] - 1, cfg.context_window or None)  # [B, 1, S]
     nb = max(gam - 1, 1)
     buf_k = jnp.zeros((b, attn.cfg.num_kv_heads, nb, attn.cfg.head_dim), ctx.k.dtype)
     buf_v = jnp.zeros_like(buf_k)

@@ -154,6 +154,7 @@ def drafter_config_from_hf(
         )
         if rank:
             fields["markov_head_type"] = str(hf.get("markov_head_type", "vanilla")).lower()
+    fields["context_window"] = int(hf.get("context_window", 0))  # 0: the whole context
     if "block_size" in kw:  # γ within the block the checkpoint was trained with
         check_gamma(kw["block_size"], fields["block_size"], "block_size")
     fields.update(kw)
@@ -208,6 +209,8 @@ def hf_drafter_config_dict(cfg: DrafterConfig, dtype: str | None = None) -> dict
             d["markov_head_type"] = cfg.markov_head_type
         if cfg.confidence_head:
             d["confidence_head_with_markov"] = cfg.confidence_with_markov
+    if cfg.context_window:  # an extra key; absent = the whole context (released layout)
+        d["context_window"] = cfg.context_window
     return d
 
 

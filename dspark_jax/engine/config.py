@@ -79,10 +79,14 @@ class EngineConfig:
         """Checked against the target (ConfigError) and with every bucket tuple resolved."""
         if num_slots < 1 or max_len < 2:
             raise ConfigError(f"num_slots ({num_slots}) must be >= 1 and max_len >= 2")
-        if max_len > tcfg.max_position_embeddings:
+        g = dcfg.block_size
+        if max_len > tcfg.max_position_embeddings + g + 1:
+            # a request's tokens stay within the context; its last round's γ + 1 verified
+            # positions may lie past it (their K/V are never read by a committed token)
             raise ConfigError(
-                f"max_len {max_len} exceeds the target's max_position_embeddings "
-                f"{tcfg.max_position_embeddings}"
+                f"max_len {max_len} exceeds the target's context (max_position_embeddings "
+                f"{tcfg.max_position_embeddings}) plus γ + 1 = {g + 1} lookahead positions; use "
+                f"max_len <= {tcfg.max_position_embeddings + g + 1}"
             )
         if not (isinstance(rounds_per_call, int) and rounds_per_call >= 1):
             raise ConfigError(f"rounds_per_call must be an integer >= 1, got {rounds_per_call!r}")
@@ -98,7 +102,6 @@ class EngineConfig:
                 f"{prefill_tokens_per_step!r}"
             )
         num_pages = num_pages or -(-num_slots * max_len // page_size)
-        g = dcfg.block_size
         top = num_slots * (g + 1)
         if token_buckets is None:
             token_buckets = [1 << i for i in range(top.bit_length())]
@@ -124,6 +127,17 @@ class EngineConfig:
         a config `build` made for them comes back equal."""
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "gamma"}
         return EngineConfig.build(tcfg, dcfg, **kw)
+
+    @property
+    def token_limit(self) -> int:
+        """Prompt + new tokens one request may hold: max_len less the γ + 1 positions a
+        verification round writes past its last committed token."""
+        return self.max_len - self.gamma - 1
+
+    @staticmethod
+    def max_len_for(tokens: int, gamma: int) -> int:
+        """The max_len whose `token_limit` is `tokens` (e.g. the target's context)."""
+        return tokens + gamma + 1
 
     @property
     def single_program(self) -> bool:

@@ -107,7 +107,7 @@ def create_app(
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if request_timeout_s is not None and request_timeout_s < 0:
         raise ValueError(f"request_timeout_s must be >= 0, got {request_timeout_s}")
-    max_len = max_len or engine.max_len
+    max_len = max_len or engine.token_limit  # prompt + completion tokens of one request
     vocab_size = vocab_size or engine.tcfg.vocab_size
     st = _State(engine, tokenizer, model_name, stop_ids, max_len, vocab_size, drain_timeout_s,
                 max_body_bytes, request_timeout_s)  # fmt: skip

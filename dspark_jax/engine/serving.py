@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from dspark_jax.compat import check_cost_profile, check_drafter_dtype
-from dspark_jax.drafters.api import share_target_tables
+from dspark_jax.drafters.api import narrow_context_window, share_target_tables
 from dspark_jax.drafters.compat import check_fits
 from dspark_jax.engine import faults
 from dspark_jax.engine.commit import Committer, EngineCounters
@@ -96,10 +96,15 @@ def _scheduler(config, dcfg, policy, gamma, threshold, cost_profile, sts) -> Sch
 class ServingEngine:
     def __init__(self, tcfg, dcfg, tparams, dparams, *, policy="fixed", gamma: int | None = None,
                  threshold: float = 0.5, cost_profile=None, sts=None, mesh=None,
-                 config: EngineConfig | None = None, **config_kw):  # fmt: skip
+                 config: EngineConfig | None = None, context_window: int | None = None,
+                 **config_kw):  # fmt: skip
         """`config_kw` (without `config`): `EngineConfig.build`'s keywords (num_slots, max_len,
         prompt_buckets, token_buckets, cache_buckets, modes, rounds_per_call, max_queue,
-        root_seed, kv_layout, page_size, num_pages, prefill_tokens_per_step). `policy` .. `sts`: the Scheduler's (`set_policy` swaps it)."""
+        root_seed, kv_layout, page_size, num_pages, prefill_tokens_per_step). `policy` .. `sts`:
+        the Scheduler's (`set_policy` swaps it). `context_window`: the drafter's context window
+        at serving time (None: as trained; it may narrow the trained one, never widen it,
+        `drafters.api.narrow_context_window`)."""
+        dcfg = narrow_context_window(dcfg, context_window)
         check_fits(tcfg, dcfg)
         check_drafter_dtype(dcfg, dparams)
         if config is None:
@@ -149,6 +154,8 @@ class ServingEngine:
     gamma = property(lambda self: self.config.gamma)
     num_slots = property(lambda self: self.config.num_slots)
     max_len = property(lambda self: self.config.max_len)
+    token_limit = property(lambda self: self.config.token_limit,
+                           doc="prompt + new tokens one request may hold")  # fmt: skip
     max_queue = property(lambda self: self.config.max_queue)
     modes = property(lambda self: self.config.modes)
     rounds_per_call = property(lambda self: self.config.rounds_per_call)
@@ -201,7 +208,8 @@ class ServingEngine:
     def submit(self, prompt_ids, params: RequestParams) -> RequestHandle:
         """Validate and queue a request (RequestError if invalid, QueueFull if the queue is full)."""
         try:
-            prompt = validate_request(prompt_ids, params, self.config, self.tcfg.vocab_size)
+            prompt = validate_request(prompt_ids, params, self.config, self.tcfg.vocab_size,
+                                      self.tcfg.max_position_embeddings)  # fmt: skip
         except RequestError:
             with self._lock:
                 self._counters.add("rejected")

@@ -82,9 +82,10 @@ class SlotTable:
         self.by_id.pop(req.id, None)
 
 
-def validate_request(prompt_ids, params, config, vocab: int) -> list[int]:
+def validate_request(prompt_ids, params, config, vocab: int, context: int = 0) -> list[int]:
     """Check a request at the boundary against the engine's `EngineConfig` and the target's
-    vocabulary size; returns the prompt as a list of ints."""
+    vocabulary size and context (`context`: its max_position_embeddings, 0 = unknown); returns
+    the prompt as a list of ints."""
     if not isinstance(params, RequestParams):
         raise RequestError(f"params must be a RequestParams, got {type(params).__name__}")
     try:
@@ -105,11 +106,24 @@ def validate_request(prompt_ids, params, config, vocab: int) -> list[int]:
     if not isinstance(mx, (int, np.integer)) or isinstance(mx, bool) or mx <= 0:
         raise RequestError(f"max_new_tokens must be an integer >= 1, got {mx!r}")
     need = arr.size + int(mx) + config.gamma + 1
-    if need > config.max_len:
+    if context and arr.size + int(mx) > context:
         raise RequestError(
-            f"request needs {need} cache positions (prompt {arr.size} + max_new_tokens {mx} + "
-            f"γ+1 {config.gamma + 1}) but a slot holds max_len={config.max_len}; shorten the "
-            "prompt or max_new_tokens"
+            f"prompt ({arr.size} tokens) + max_new_tokens ({mx}) exceeds the target's context "
+            f"of {context} tokens (max_position_embeddings); shorten the prompt or lower "
+            f"max_new_tokens to <= {max(context - arr.size, 0)}"
+        )
+    if need > config.max_len:
+        limit = config.max_len - config.gamma - 1
+        wider = (
+            f", or build the engine with max_len up to {context + config.gamma + 1} (the "
+            f"target's context {context} + γ + 1)"
+            if context and limit < context
+            else ""
+        )
+        raise RequestError(
+            f"prompt ({arr.size} tokens) + max_new_tokens ({mx}) exceeds the engine's limit of "
+            f"{limit} tokens per request (max_len={config.max_len} less γ + 1 = "
+            f"{config.gamma + 1} lookahead positions); shorten the prompt or max_new_tokens" + wider
         )
     if getattr(config, "kv_layout", "slots") == "paged":
         pages = -(-need // config.page_size)

@@ -35,6 +35,7 @@ from dspark_jax.models.layers import (
     RMSNorm,
     attend,
     dtype_of,
+    visible,
 )
 
 SLIDING = "sliding_attention"
@@ -48,12 +49,6 @@ def attention_shape(cfg: TargetConfig, layer: int) -> AttentionShape:
         rope = (g.global_rope_theta, g.global_rope_fraction, g.global_rope_factor)
         d, nkv, k_eq_v = g.global_head_dim, g.global_kv_heads, g.k_eq_v
     return AttentionShape(d, nkv, rope, k_eq_v=k_eq_v, has_kv=g.kv_source(layer) == layer)
-
-
-def visible(key_pos_BxS, pos_BxT, window: int | None):
-    """[B, T, S]: key at or before the query, and (sliding layers) less than `window` back."""
-    k, q = key_pos_BxS[:, None, :], pos_BxT[:, :, None]
-    return (k <= q) if window is None else (k <= q) & (k > q - window)
 
 
 class Gemma4Layer(nnx.Module):

@@ -163,7 +163,7 @@ def generate(
     seeds: Sequence[int] | None = None,
     key: jax.Array | int = 0,
     batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
-    length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+    length_buckets: Sequence[int] | None = None,
     loop: str = "device",
 ) -> list[list[int]]:
     """Generate continuations for a list of token-id prompts; returns the new tokens per prompt.
@@ -180,14 +180,16 @@ def generate(
       seeds: one integer per prompt (default: its index); with `key` they fix the randomness.
       key: base PRNG key or an int seed for it.
       batch_buckets / length_buckets: static sizes. Batches above the largest batch bucket are
-        split; the cache length is a length bucket too.
+        split; the cache length is a length bucket too. Default length buckets: powers of two
+        below the target's context, then the context itself, so every request within the
+        context runs; given ones are the caller's limit (capped at the context).
       loop: "device" (one jitted while loop per batch), "host" (a jitted step per token, for
         comparison) or "queue" (continuous batching: up to max(batch_buckets) rows work through
         every prompt in one loop, a finished row taking the next prompt; `models.generate_queue`).
 
     Raises (before any device work): RequestError / ValueError for an empty prompt, token ids
-    outside the vocabulary, a prompt plus max_new_tokens beyond the largest length bucket or the
-    model's max_position_embeddings, bad seeds, invalid sampling parameters.
+    outside the vocabulary, a prompt plus max_new_tokens beyond the model's context
+    (max_position_embeddings), bad seeds, invalid sampling parameters.
     """
     n = len(prompts)
     if n == 0:
@@ -196,6 +198,8 @@ def generate(
         raise ValueError(f"loop must be 'device', 'host' or 'queue', got {loop!r}")
     lens = np.array([len(p) for p in prompts], np.int64)
     max_new = _per_request("max_new_tokens", max_new_tokens, n)
+    if length_buckets is None:
+        length_buckets = context_buckets(DEFAULT_LENGTH_BUCKETS, cfg.max_position_embeddings)
     _check_prompts(cfg, prompts, lens, max_new, length_buckets)
     stop = np.asarray(list(stop_ids), np.int64).reshape(-1)
     if stop.size and (stop.min() < 0 or stop.max() >= cfg.vocab_size):
@@ -223,6 +227,12 @@ def generate(
     return outs
 
 
+def context_buckets(length_buckets: Sequence[int], context: int) -> tuple[int, ...]:
+    """`length_buckets` below `context`, then `context` itself: the largest bucket is the
+    target's context, whatever the caller's buckets."""
+    return tuple(sorted({int(b) for b in length_buckets if 0 < int(b) < context} | {context}))
+
+
 def _check_prompts(cfg, prompts, lens, max_new, length_buckets) -> None:
     """RequestError for a request `generate` cannot run: max_new_tokens < 1, an empty prompt,
     token ids outside the vocabulary, a prompt plus its new tokens beyond the cache."""
@@ -237,7 +247,16 @@ def _check_prompts(cfg, prompts, lens, max_new, length_buckets) -> None:
                 f"prompt {i} must hold integer token ids in [0, {cfg.vocab_size}); got "
                 f"dtype {a.dtype}, range [{a.min()}, {a.max()}]"
             )
-    max_cache = min(max(length_buckets), cfg.max_position_embeddings)
+    ctx = cfg.max_position_embeddings
+    over = np.flatnonzero(lens + max_new > ctx)
+    if over.size:
+        i = int(over[0])
+        raise RequestError(
+            f"prompt {i} ({lens[i]} tokens) + max_new_tokens ({max_new[i]}) exceeds the target's "
+            f"context of {ctx} tokens (max_position_embeddings); shorten the prompt or lower "
+            f"max_new_tokens to <= {max(ctx - int(lens[i]), 0)}"
+        )
+    max_cache = min(max(length_buckets), ctx)
     for i in range(len(prompts)):
         check_request_fits(
             prompt_lens=[int(lens[i])], max_new_tokens=int(max_new[i]), max_len=max_cache, cfg=cfg

@@ -306,6 +306,13 @@ def _few_queries_values(p, v):
     return o.reshape(b, nkv, u, tq, r, -1).transpose(0, 2, 3, 1, 4, 5)
 
 
+def visible(key_pos_BxS, pos_BxT, window: int | None):
+    """[B, T, S]: key at or before the query and, with a `window` (Gemma 4's sliding layers, a
+    drafter's context window; None: none), less than `window` positions back."""
+    k, q = key_pos_BxS[:, None, :], pos_BxT[:, :, None]
+    return (k <= q) if window is None else (k <= q) & (k > q - window)
+
+
 def attend(q_BxTxNxD, kv_sets, *, scale: float | None = None, softcap: float | None = None):
     """GQA attention of queries [B, T, n_q, d] over one or more (k, v, mask) sets, one softmax
     (fp32) across all of them, scores scaled by `scale` (default 1/sqrt(d); Gemma 4: 1, its

@@ -42,7 +42,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from dspark_jax.compat import check_trained_block
+from dspark_jax.compat import check_trained_block, check_trained_window
 from dspark_jax.drafters.compat import check_fits, recorded_target
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.io import atomic_write
@@ -361,8 +361,11 @@ def load_best_params(
             name=target_name,
             vocab_hash=vocab_hash,
         )
-        trained = (side.get("drafter") or {}).get("block_size")
-        check_trained_block(drafter_cfg.block_size, trained, where=str(ckpt.directory))
+        trained = side.get("drafter") or {}
+        check_trained_block(drafter_cfg.block_size, trained.get("block_size"),
+                            where=str(ckpt.directory))  # fmt: skip
+        check_trained_window(drafter_cfg.context_window, trained.get("context_window"),
+                             where=str(ckpt.directory))  # fmt: skip
     got = ckpt.restore({"trainable": abstract_trainable})
     if got is None:
         raise CheckpointError(f"{run_dir}/best holds no checkpoint; was an evaluation ever run?")
