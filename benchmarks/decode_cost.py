@@ -13,7 +13,14 @@ Also reported, as ratios inside this run: the step time of the largest bucket ov
 one (how much verifying every draft of every slot costs over verifying none) and a least-squares
 fit `alpha + beta * tokens` with its R^2 (how well the cost tracks R + sum l_r).
 
+Both KV layouts are timed in the same run, their points interleaved: the slot cache (every slot
+`max_len` positions) and the paged cache (a pool of `--page-size` pages holding as many
+positions, so equal KV memory). Each gets its own fit (`layouts`), and `paging_overhead` is the
+paged engine's step time over the slot engine's (geometric mean over the points, and per point).
+The profile written is the first layout's of `--kv-layouts`.
+
     python benchmarks/decode_cost.py --model tiny  [--out benchmarks/results/decode_cost.tiny.json]
+    python benchmarks/decode_cost.py --model demo  # the demo's 16 x 160 target, random weights
     python benchmarks/decode_cost.py --run-dir runs/tiny   # the demo's target + DSpark drafter
                                                            # (writes <run>/cost_profile.json)
 Prints one JSON object.
@@ -35,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from dspark_jax import drafters  # noqa: E402
 from dspark_jax.compat import device_name, target_shape_key  # noqa: E402
+from dspark_jax.config import DrafterConfig  # noqa: E402
 from dspark_jax.engine import RequestParams, ServingEngine  # noqa: E402
 from dspark_jax.models import init_params  # noqa: E402
 from dspark_jax.models.transformer import param_count  # noqa: E402
@@ -45,13 +53,29 @@ from dspark_jax.testing import (  # noqa: E402
     tiny_target_config,
 )
 
-MODELS = {"tiny": tiny_target_config, "small": small_target_config}
+MODELS = {"tiny": tiny_target_config, "small": small_target_config, "demo": None}
+
+
+def demo_models(gamma: int):
+    """The demo preset's target (configs/tiny.py, 16 x 160) and DSpark drafter, random weights."""
+    from dspark_jax.cli.train import load_config
+
+    cfg = load_config("configs/tiny.py")
+    tcfg, d = cfg.target.model, cfg.drafters
+    dcfg = DrafterConfig.dspark(
+        tcfg, block_size=gamma, num_layers=d.num_layers, num_anchors=d.num_anchors,
+        mask_token_id=tcfg.vocab_size - 1, markov_rank=d.markov_rank,
+    )  # fmt: skip
+    return tcfg, dcfg
 
 
 def random_models(name: str, gamma: int):
-    tcfg = MODELS[name]()
+    if name == "demo":
+        tcfg, dcfg = demo_models(gamma)
+    else:
+        tcfg = MODELS[name]()
+        dcfg = tiny_drafter_config("dspark", target=tcfg, block_size=gamma, num_layers=1)
     tp = init_params(tcfg, 0)
-    dcfg = tiny_drafter_config("dspark", target=tcfg, block_size=gamma, num_layers=1)
     return tcfg, tp, dcfg, drafters.init_params(dcfg, target_params=tp)
 
 
@@ -65,36 +89,43 @@ def measure_points(num_slots: int, gamma: int) -> list[tuple[int, int]]:
     return [(r, g) for r in rs for g in gs]
 
 
-def time_points(eng: ServingEngine, points, *, context: int, steps: int, repeats: int) -> dict:
-    """Seconds per engine step at each (R, g), min over `repeats` interleaved repetitions."""
-    vocab = eng.tcfg.vocab_size
-    rng = np.random.default_rng(0)
-    max_new = min(eng.max_len - context - eng.gamma - 1, (steps + 2) * (eng.gamma + 1))
-    best = {p: float("inf") for p in points}
+def time_points(engines: dict, points, *, context: int, steps: int, repeats: int) -> dict:
+    """{layout: {(R, g): seconds per engine step}}, min over `repeats` repetitions; each point
+    is timed on every engine in turn (interleaved, so a busy machine slows both alike)."""
+    best = {k: {p: float("inf") for p in points} for k in engines}
     for _ in range(repeats):
         for r, g in points:
-            eng.set_policy(FixedGamma(g))
-            handles = [
-                eng.submit(
-                    rng.integers(0, vocab - 1, context).tolist(),
-                    RequestParams(max_new, temperature=0.0),
-                )
-                for _ in range(r)
-            ]
-            eng.step()  # admission + a first round, untimed
-            t0 = time.perf_counter()
-            done = 0
-            for _ in range(steps):
-                eng.step()
-                done += 1
-                if sum(1 for h in handles if not h.finished) < r:
-                    break
-            best[(r, g)] = min(best[(r, g)], (time.perf_counter() - t0) / done)
-            for h in handles:
-                h.cancel()
-            while eng.has_work():
-                eng.step()
+            for k, eng in engines.items():
+                sec = _time_point(eng, r, g, context=context, steps=steps)
+                best[k][(r, g)] = min(best[k][(r, g)], sec)
     return best
+
+
+def _time_point(eng: ServingEngine, r: int, g: int, *, context: int, steps: int) -> float:
+    rng = np.random.default_rng(r * 100 + g)  # the same prompts on every engine
+    max_new = min(eng.max_len - context - eng.gamma - 1, (steps + 2) * (eng.gamma + 1))
+    eng.set_policy(FixedGamma(g))
+    handles = [
+        eng.submit(
+            rng.integers(0, eng.tcfg.vocab_size - 1, context).tolist(),
+            RequestParams(max_new, temperature=0.0),
+        )
+        for _ in range(r)
+    ]
+    eng.step()  # admission + a first round, untimed
+    t0 = time.perf_counter()
+    done = 0
+    for _ in range(steps):
+        eng.step()
+        done += 1
+        if sum(1 for h in handles if not h.finished) < r:
+            break
+    sec = (time.perf_counter() - t0) / done
+    for h in handles:
+        h.cancel()
+    while eng.has_work():
+        eng.step()
+    return sec
 
 
 def profile_from(eng: ServingEngine, best: dict, meta: dict) -> tuple[CostProfile, dict]:
@@ -131,13 +162,25 @@ def profile_from(eng: ServingEngine, best: dict, meta: dict) -> tuple[CostProfil
 
 
 def engine_layout(eng: ServingEngine) -> dict:
+    c = eng.config
     return {
         "engine": "ServingEngine packed round",
+        "kv_layout": c.kv_layout,
         "num_slots": eng.num_slots,
         "gamma": eng.gamma,
         "max_len": eng.max_len,
         "token_buckets": list(eng.token_buckets),
         "cache_buckets": list(eng.cache_buckets),
+        **({"page_size": c.page_size, "num_pages": c.num_pages} if c.kv_layout == "paged" else {}),
+    }
+
+
+def overhead(best: dict, over: str, base: str) -> dict:
+    """`over`'s step time over `base`'s: geometric mean over the points, and per point."""
+    ratios = {f"{r}x{g + 1}": best[over][(r, g)] / best[base][(r, g)] for r, g in best[base]}
+    return {
+        "geomean": float(np.exp(np.mean(np.log(list(ratios.values()))))),
+        "per_point_requests_x_tokens": ratios,
     }
 
 
@@ -151,6 +194,12 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per point and repeat")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--kv-layouts",
+        default="slots,paged",
+        help="engines timed (interleaved); the first one's profile is written",
+    )
+    ap.add_argument("--page-size", type=int, default=16, help="the paged engine's page")
     ap.add_argument("--out", default="", help="profile JSON path")
     args = ap.parse_args(argv)
 
@@ -168,17 +217,20 @@ def main(argv=None):
         out = args.out or os.path.join(os.path.dirname(__file__), "results", default)
         name = args.model
     max_len = min(args.max_len, tcfg.max_position_embeddings)
-    eng = ServingEngine(
-        tcfg, dcfg, tp, dp, num_slots=args.num_slots, max_len=max_len,
-        prompt_buckets=(args.context,), modes=("greedy",),
-    )  # fmt: skip
-    t0 = time.perf_counter()
-    eng.warmup()
-    warm_s = time.perf_counter() - t0
-    compiled = eng.compilations
+    engines, warm_s, compiled = {}, {}, {}
+    for layout in args.kv_layouts.split(","):
+        engines[layout] = ServingEngine(
+            tcfg, dcfg, tp, dp, num_slots=args.num_slots, max_len=max_len,
+            prompt_buckets=(args.context,), modes=("greedy",), kv_layout=layout,
+            page_size=args.page_size,
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        engines[layout].warmup()
+        warm_s[layout] = time.perf_counter() - t0
+        compiled[layout] = engines[layout].compilations
     best = time_points(
-        eng,
-        measure_points(args.num_slots, eng.gamma),
+        engines,
+        measure_points(args.num_slots, dcfg.block_size),
         context=args.context,
         steps=args.steps,
         repeats=args.repeats,
@@ -189,21 +241,27 @@ def main(argv=None):
         "model": name,
         "params": param_count(tp),
         "context": args.context,
-        **engine_layout(eng),
     }
-    prof, d = profile_from(eng, best, meta)
+    layouts = {}
+    for layout, eng in engines.items():
+        prof, d = profile_from(eng, best[layout], {**meta, **engine_layout(eng)})
+        layouts[layout] = {
+            "warmup_s": warm_s[layout],
+            "retraces_after_warmup": eng.compilations - compiled[layout],
+            **d["cost_profile"]["meta"]["summary"],
+            "steps_per_s": dict(zip(map(str, prof.tokens), prof.steps_per_s)),
+        }
+        if len(layouts) == 1:
+            written, first = d, layout
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(d, f, indent=1)
+        json.dump(written, f, indent=1)
     os.replace(tmp, out)
-    result = {
-        "out": out,
-        "warmup_s": warm_s,
-        "retraces_after_warmup": eng.compilations - compiled,
-        **d["cost_profile"]["meta"],
-        "steps_per_s": dict(zip(map(str, prof.tokens), prof.steps_per_s)),
-    }
+    result = {"out": out, "profile_layout": first, **written["cost_profile"]["meta"],
+              "layouts": layouts}  # fmt: skip
+    if {"slots", "paged"} <= set(engines):
+        result["paging_overhead"] = overhead(best, "paged", "slots")
     print(json.dumps(result, indent=1))
     return result
 

@@ -1,5 +1,6 @@
-"""benchmarks/decode_cost.py measures the engine's packed round and writes a CostProfile whose
-layout and buckets are the engine's, so Algorithm 1 charges what the engine runs."""
+"""benchmarks/decode_cost.py measures the engine's packed round (slot and paged KV layouts) and
+writes a CostProfile whose layout and buckets are the engine's, so Algorithm 1 charges what the
+engine runs."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def test_profile_layout_and_buckets_match_engine(tmp_path):
     out = tmp_path / "cost.json"
     args = ["--model", "tiny", "--num-slots", "2", "--gamma", "2", "--max-len", "48"]
     args += ["--context", "8", "--steps", "2", "--repeats", "1", "--out", str(out)]
-    res = bench.main(args)
-    assert res["retraces_after_warmup"] == 0
+    res = bench.main(args)  # both KV layouts, interleaved; the slot engine's profile written
+    assert set(res["layouts"]) == {"slots", "paged"} and res["profile_layout"] == "slots"
+    assert all(v["retraces_after_warmup"] == 0 for v in res["layouts"].values())
+    assert res["paging_overhead"]["geomean"] > 0
     prof = CostProfile.load(out)
     meta = json.loads(out.read_text())["cost_profile"]["meta"]
     assert prof.layout == "tokens"

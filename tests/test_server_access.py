@@ -126,8 +126,9 @@ def test_oversized_body_is_413_before_parsing(guarded, engine):
         ({"stop": [f"s{i}" for i in range(MAX_STOPS + 1)]}, f"at most {MAX_STOPS}"),
         ({"stop": "z" * (MAX_STOP_CHARS + 1)}, f"at most {MAX_STOP_CHARS}"),
         ({"stop_token_ids": [5] * (MAX_STOP_IDS + 1)}, f"at most {MAX_STOP_IDS}"),
-        ({"prompt": [5] * MAX_LEN}, f"maximum context length is {MAX_LEN}"),
-        ({"max_tokens": MAX_LEN}, f"lower max_tokens to <= {MAX_LEN - 1}"),
+        # {limit}: the engine's token limit, max_len less the γ + 1 lookahead a round writes
+        ({"prompt": [5] * MAX_LEN}, "maximum context length is {limit} tokens"),
+        ({"max_tokens": MAX_LEN}, "lower max_tokens to <= {limit_less_prompt}"),
     ],
 )
 def test_request_limits_are_400_naming_the_limit(guarded, engine, extra, needle):
@@ -135,7 +136,9 @@ def test_request_limits_are_400_naming_the_limit(guarded, engine, extra, needle)
     before = engine.metrics().requests_submitted
     body = {"model": MODEL, "prompt": [5]} | extra
     r = httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=30)
-    assert needle in _error(r, 400)["message"]
+    limit = engine.token_limit
+    needle = needle.format(limit=limit, limit_less_prompt=limit - 1)
+    assert limit < MAX_LEN and needle in _error(r, 400)["message"]
     assert engine.metrics().requests_submitted == before
 
 
