@@ -54,7 +54,7 @@ from dspark_jax.engine.scheduling import Scheduler
 from dspark_jax.engine.slots import Request, SlotTable, validate_request
 from dspark_jax.engine.stepping import Fill, RoundRunner
 from dspark_jax.errors import RequestError
-from dspark_jax.models.transformer import untie_lm_head
+from dspark_jax.models.transformer import embedding_table, untie_lm_head
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def untie_applies(tcfg, tparams) -> bool:
     copy within UNTIE_MAX_BYTES)."""
     if not tcfg.tie_word_embeddings or jax.default_backend() != "cpu":
         return False
-    table = tparams["embed_tokens"][...]
+    table = embedding_table(tparams)
     return table.size * table.dtype.itemsize <= UNTIE_MAX_BYTES
 
 

@@ -53,6 +53,7 @@ __all__ = [  # the layers re-exported for the code that reads them from here
     "Transformer",
     "apply_rope",
     "build",
+    "embedding_table",
     "model_class",
     "forward",
     "forward_jit",
@@ -174,6 +175,13 @@ def require_transformer(cfg: TargetConfig, what: str) -> None:
             f"{what} does not support gemma4 targets yet; use models.forward / models.generate "
             "(issue 41)"
         )
+
+
+def embedding_table(params: nnx.State) -> jax.Array:
+    """The target's token embedding table [V, H] from its parameters (Gemma 4's `ScaledEmbed`
+    holds it as `weight`; its sqrt(H) scale is applied in `embed`, not stored)."""
+    e = params["embed_tokens"]
+    return (e if isinstance(e, nnx.Variable) else e["weight"])[...]
 
 
 def model_class(cfg: TargetConfig):
