@@ -18,6 +18,7 @@ import pytest
 
 from dspark_jax.config import Gemma4Config, TargetConfig
 from dspark_jax.engine import RequestParams, ServingEngine
+from dspark_jax.errors import ConfigError
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.generate import generate
 from dspark_jax.models.packed import packed_forward, packed_forward_kv, write_kv
@@ -226,3 +227,9 @@ def test_sampled_mode_greedy_row_and_neighbour_independence(pair, prompts, refs)
         eng.step()
     assert mine.result().tokens == alone
     assert h[0].result().tokens == refs[0]
+
+
+def test_paged_layout_refused(pair):
+    """The paged layout's forward does not run Gemma 4 yet: refused at construction."""
+    with pytest.raises(ConfigError, match="paged KV layout.*does not support gemma4.*'slot'"):
+        _engine(pair, "greedy", kv_layout="paged", page_size=8)

@@ -167,12 +167,12 @@ class Transformer(nnx.Module):
 
 
 def require_transformer(cfg: TargetConfig, what: str) -> None:
-    """ConfigError unless `cfg` is one of this module's families: for the forwards that compose
-    `Transformer`'s layers themselves (packed, paged), which a Gemma 4 target would run without
-    its windows, norms and scales."""
+    """ConfigError unless `cfg` is one of this module's families: for the paged forward, which
+    composes `Transformer`'s layers itself and would run a Gemma 4 target without its windows,
+    norms and scales (the packed forward composes either family's layers)."""
     if cfg.architecture == "gemma4":
         raise ConfigError(
-            f"{what} does not support gemma4 targets yet; use models.forward / models.generate "
+            f"{what} does not support gemma4 targets yet; serve them with kv_layout='slot' "
             "(issue 41)"
         )
 
