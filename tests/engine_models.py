@@ -41,6 +41,14 @@ def agreeing_pair(
     head = np.zeros((tcfg.hidden_size, vocab), np.float32)
     head[:, perm] = (unit * head_scale).T
     tp["lm_head"]["kernel"] = _set(tp["lm_head"]["kernel"], head)
+    dcfg, dp = markov_drafter(tcfg, tp, perm, gamma, markov_bias, seed)
+    return tcfg, tp, dcfg, dp
+
+
+def markov_drafter(tcfg, tp, perm, gamma, markov_bias, seed):
+    """(dcfg, dparams): a one-layer DSpark drafter for `tcfg` whose vanilla Markov head (rank V)
+    adds `markov_bias * onehot(perm[prev])`: it drafts the permutation chain."""
+    vocab = tcfg.vocab_size
     dcfg = DrafterConfig.dspark(
         tcfg,
         num_layers=1,
@@ -57,7 +65,7 @@ def agreeing_pair(
     mh = tr["markov_head"]
     mh["markov_w1"] = _set(mh["markov_w1"], np.eye(vocab, dtype=np.float32))
     mh["markov_w2"]["kernel"] = _set(mh["markov_w2"]["kernel"], w2)
-    return tcfg, tp, dcfg, dp._replace(trainable=tr)
+    return dcfg, dp._replace(trainable=tr)
 
 
 def trained_pair(kind: str, vocab=64, gamma=4, steps=120, lr=1e-2, n_seqs=16, seed=0, **pair_kw):

@@ -25,6 +25,7 @@ from dspark_jax.drafters.eagle3 import (
     propose_eagle3,
 )
 from dspark_jax.errors import ConfigError
+from dspark_jax.models.transformer import embedding_table
 from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
 
 
@@ -59,7 +60,7 @@ def frozen_from_target(cfg: DrafterConfig, target_params: nnx.State) -> nnx.Stat
     """The drafter's frozen state from the target's parameters: embed_tokens [V, H] and lm_head
     [H, V] (the target's untied head, or its embedding transposed when tied)."""
     tcfg = cfg.target
-    emb = jnp.asarray(target_params["embed_tokens"][...])
+    emb = jnp.asarray(embedding_table(target_params))
     if emb.shape != (tcfg.vocab_size, tcfg.hidden_size):
         raise ConfigError(
             f"target embedding has shape {emb.shape}, the drafter expects "
@@ -86,7 +87,7 @@ def share_target_tables(params: DrafterParams, target_params: nnx.State) -> Draf
     verify forward finds the target's head in cache (docs/MEASUREMENTS.md: engine_head), and the
     tables are held once. Other leaves, and tables that differ (a drafter of another dtype or
     vocabulary), are kept as they are."""
-    tables = [target_params["embed_tokens"][...]]
+    tables = [embedding_table(target_params)]
     if "lm_head" in target_params:
         tables.append(target_params["lm_head"]["kernel"][...])
 

@@ -198,6 +198,7 @@ def check_fits(
     shape = (target_cfg.vocab_size, target_cfg.hidden_size)
     if target_params is not None:
         emb = _get(target_params, "embed_tokens")
+        emb = emb if emb is None or hasattr(emb, "shape") else _get(emb, "weight")  # Gemma 4
         if emb is not None and tuple(emb.shape) != shape:
             problems.append(f"target embedding shape {tuple(emb.shape)} != config {shape}")
     if frozen is not None:

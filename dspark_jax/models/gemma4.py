@@ -15,6 +15,11 @@ KV-shared last layers read their source layer's entry, `Gemma4Config.kv_source`)
 layers keep the whole cache and see their window by masking: correct, not yet memory-lean (the
 serving engine's ring buffer of `sliding_window + γ + 1` is a later step).
 
+Each layer exposes `attention_inputs` (norm, q and its own k / v) and `finish` (everything after
+attention), the model `embed` and `kv_source`, as `transformer.py`'s do: `__call__` and the
+serving engine's packed forward (`models/packed.py`, slot layout) compose the same layer code
+around their own cache step. The paged forward does not run Gemma 4 yet.
+
 Shapes are written as suffixes: B batch, T tokens, S cache length, H hidden, L layers,
 P per-layer input width.
 """
@@ -79,25 +84,21 @@ class Gemma4Layer(nnx.Module):
             self.post_per_layer_input_norm = RMSNorm(h, eps, dt)
         self.window = g.sliding_window if g.layer_types[layer] == SLIDING else None
 
-    def __call__(self, x_BxTxH, positions_BxT, key_pos_BxS, kv, layer_input_BxTxP=None):
-        """`kv`: this layer's cache entry (k, v) [B, n_kv, S, d] to write into, None for a
-        cache-free pass, or for a KV-shared layer the source layer's full (k, v) to read.
-        Returns (output, the (k, v) this layer attended to)."""
+    scale = 1.0  # attention scores unscaled: the q/k norms set the temperature
+
+    def attention_inputs(self, x_BxTxH, positions_BxT):
+        """Queries [B, T, n_q, d] and this layer's keys / values [B, n_kv, T, d] of the input
+        (None, None for a KV-shared layer: it reads its source layer's)."""
         h = self.input_layernorm(x_BxTxH)
         q = self.self_attn.queries(h, positions_BxT)
-        if self.self_attn.k_proj is not None:
-            k, v = self.self_attn.keys_values(h, positions_BxT)
-            if kv is not None:
-                ck, cv = kv
-                rows = jnp.arange(ck.shape[0])[:, None, None]
-                heads = jnp.arange(ck.shape[1])[None, :, None]
-                pos = positions_BxT[:, None, :]
-                k = ck.at[rows, heads, pos].set(k.astype(ck.dtype), mode="drop")
-                v = cv.at[rows, heads, pos].set(v.astype(cv.dtype), mode="drop")
-            kv = (k, v)
-        mask = visible(key_pos_BxS, positions_BxT, self.window)
-        a = attend(q, [(kv[0], kv[1], mask)], scale=1.0)
-        x = x_BxTxH + self.post_attention_layernorm(self.self_attn.o_proj(a))
+        if self.self_attn.k_proj is None:
+            return q, None, None
+        return q, *self.self_attn.keys_values(h, positions_BxT)
+
+    def finish(self, x_BxTxH, a_BxTxF, layer_input_BxTxP=None):
+        """The layer's output from its input and its attention's output `a` [B, T, n_q * d]:
+        o_proj, sandwich norms, MLP (and experts), per-layer input, the layer scalar."""
+        x = x_BxTxH + self.post_attention_layernorm(self.self_attn.o_proj(a_BxTxF))
         f = self.mlp(self.pre_feedforward_layernorm(x))
         if self.experts is not None:
             x_NxH = x.reshape(-1, x.shape[-1])
@@ -108,7 +109,25 @@ class Gemma4Layer(nnx.Module):
         if layer_input_BxTxP is not None:
             g = GELU(self.per_layer_input_gate(x)) * layer_input_BxTxP
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return x * self.layer_scalar[...], kv
+        return x * self.layer_scalar[...]
+
+    def __call__(self, x_BxTxH, positions_BxT, key_pos_BxS, kv, layer_input_BxTxP=None):
+        """`kv`: this layer's cache entry (k, v) [B, n_kv, S, d] to write into, None for a
+        cache-free pass, or for a KV-shared layer the source layer's full (k, v) to read.
+        Returns (output, the (k, v) this layer attended to)."""
+        q, k, v = self.attention_inputs(x_BxTxH, positions_BxT)
+        if k is not None:
+            if kv is not None:
+                ck, cv = kv
+                rows = jnp.arange(ck.shape[0])[:, None, None]
+                heads = jnp.arange(ck.shape[1])[None, :, None]
+                pos = positions_BxT[:, None, :]
+                k = ck.at[rows, heads, pos].set(k.astype(ck.dtype), mode="drop")
+                v = cv.at[rows, heads, pos].set(v.astype(cv.dtype), mode="drop")
+            kv = (k, v)
+        mask = visible(key_pos_BxS, positions_BxT, self.window)
+        a = attend(q, [(kv[0], kv[1], mask)], scale=self.scale)
+        return self.finish(x_BxTxH, a, layer_input_BxTxP), kv
 
 
 class Gemma4(nnx.Module):
@@ -156,13 +175,20 @@ class Gemma4(nnx.Module):
         cap = self.cfg.gemma.final_logit_softcapping
         return out if cap is None else cap * jnp.tanh(out / cap)
 
+    def embed(self, tokens_BxT):
+        """(the scaled embedding [B, T, H], the per-layer inputs [B, T, L, P] or None)."""
+        x = self.embed_tokens(tokens_BxT)
+        if not self.cfg.gemma.hidden_size_per_layer_input:
+            return x, None
+        args = (self.embed_tokens_per_layer, self.per_layer_model_projection)
+        return x, per_layer_inputs(*args, self.per_layer_projection_norm, tokens_BxT, x)
+
+    def kv_source(self, layer: int) -> int:
+        return self.cfg.gemma.kv_source(layer)
+
     def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None, compute_logits=True):
         cfg, g = self.cfg, self.cfg.gemma
-        x = self.embed_tokens(tokens_BxT)
-        inputs = None
-        if g.hidden_size_per_layer_input:
-            args = (self.embed_tokens_per_layer, self.per_layer_model_projection)
-            inputs = per_layer_inputs(*args, self.per_layer_projection_norm, tokens_BxT, x)
+        x, inputs = self.embed(tokens_BxT)
         if cache is None:
             key_pos = positions_BxT
         else:

@@ -39,8 +39,12 @@ cache_len` scores and no copy of the cache — when those padded rows are at mos
 cache (`T` copies of `cache_len` keys and values per layer, cheaper when few slots' tokens are
 verified; docs/MEASUREMENTS.md: verify_layout).
 
-This composes `transformer.py`'s modules and `layers.attend` (same parameters, same RMSNorm /
-RoPE / GQA code), so a packed forward equals the batched one up to float reassociation.
+This composes the target's own layers (`transformer.DecoderLayer`, `gemma4.Gemma4Layer`: their
+`attention_inputs` and `finish`, the model's `embed` and `kv_source`) and `layers.attend`, and
+swaps only each layer's cache step, so a packed forward equals the batched one up to float
+reassociation. Gemma 4: a sliding layer's window is a mask on the cache prefix and on the
+call's own tokens (key position > query position - window; the whole cache is kept), a
+KV-shared layer attends to its source layer's cache entry and new K/V, scores are unscaled.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import jax.numpy as jnp
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models import transformer as tf
+from dspark_jax.models.cache import outputs
 from dspark_jax.models.layers import attend
 
 # The slot-major layout's padded query rows (slots x slot_tokens) at most this many times the
@@ -87,9 +92,8 @@ class NewKV(NamedTuple):
 def write_kv(cache: tf.KVCache, kv: NewKV) -> tf.KVCache:
     """The cache with `kv`'s tokens written at [slot, :, pos] (lengths unchanged)."""
     rows = kv.slot[None, :]
-    heads = jnp.arange(cache.k[0].shape[1])[:, None]
     pos = jnp.minimum(kv.pos, cache.max_len)[None, :]  # past the cache: dropped
-    put = lambda c, x: _put(c, rows, heads, pos, x)
+    put = lambda c, x: _put(c, rows, jnp.arange(c.shape[1])[:, None], pos, x)  # layer's heads
     return cache._replace(k=tuple(map(put, cache.k, kv.k)), v=tuple(map(put, cache.v, kv.v)))
 
 
@@ -147,7 +151,11 @@ class _Layout(NamedTuple):
     m_own: jax.Array | None
 
 
-def _layout(cache, cache_len, slot_T, offset_T, pos_T, valid_T, slot_tokens, one_set) -> _Layout:
+def _layout(cache, cache_len, slot_T, offset_T, pos_T, valid_T, slot_tokens, one_set,
+            window=None) -> _Layout:  # fmt: skip
+    """The layout and its masks; `window` (a Gemma 4 sliding layer's; None: full attention)
+    also hides keys `window` or more positions before the query, in the prefix and among the
+    call's own tokens (a slot's tokens sit at consecutive positions: offsets stand for them)."""
     t = slot_T.shape[0]
     base_T = jnp.where(valid_T, pos_T - offset_T, 0)  # the slot's committed length (padding: 0)
     key_idx = jnp.arange(cache_len, dtype=jnp.int32)
@@ -157,36 +165,45 @@ def _layout(cache, cache_len, slot_T, offset_T, pos_T, valid_T, slot_tokens, one
     # first wins once the padded rows are at most SLOT_MAJOR_PAD x the tokens
     by_slot = not one_slot and 0 < n_slots * slot_tokens <= SLOT_MAJOR_PAD * t
     g, row, back = int(slot_tokens), None, None
+    # keys after the query's window start (everything without a window); by_slot: per row
+    after = lambda pos: True if window is None else key_idx[None, :] > pos[:, None] - window
     if by_slot:  # slot-major query layout [N * G] for attention
         row = jnp.where(valid_T, slot_T * g + offset_T, n_slots * g)  # out of range: dropped
         valid_NG = jnp.zeros((n_slots * g,), bool).at[row].set(True, mode="drop")
         base_NG = jnp.zeros((n_slots * g,), jnp.int32).at[row].set(base_T, mode="drop")
-        m_ctx = (key_idx[None, :] < base_NG[:, None]).reshape(1, n_slots, g, cache_len)
+        pos_NG = jnp.zeros((n_slots * g,), jnp.int32).at[row].set(pos_T, mode="drop")
+        m_ctx = (key_idx[None, :] < base_NG[:, None]) & after(pos_NG)
+        m_ctx = m_ctx.reshape(1, n_slots, g, cache_len)
         own = valid_NG.reshape(n_slots, 1, g) & valid_NG.reshape(n_slots, g, 1)
-        m_own = (own & (jnp.arange(g)[None, :] <= jnp.arange(g)[:, None]))[None]  # [1, N, G, G]
+        j, i = jnp.arange(g)[None, :], jnp.arange(g)[:, None]
+        near = (j <= i) if window is None else (j <= i) & (j > i - window)
+        m_own = (own & near)[None]  # [1, N, G, G]
         back = jnp.minimum(row, n_slots * g - 1)  # token t's row (padding tokens: any row)
     else:  # token-major: the prefix (per token), this call's tokens of the same slot (shared)
-        m_ctx = (key_idx[None, :] < base_T[:, None])[None, :, None, :]  # [1, T, 1, S_b]
-        same = (slot_T[None, :] == slot_T[:, None]) & (offset_T[None, :] <= offset_T[:, None])
+        m_ctx = ((key_idx[None, :] < base_T[:, None]) & after(pos_T))[None, :, None, :]
+        j, i = offset_T[None, :], offset_T[:, None]
+        near = (j <= i) if window is None else (j <= i) & (j > i - window)
+        same = (slot_T[None, :] == slot_T[:, None]) & near
         m_own = (same & valid_T[None, :])[None]  # [1, T, T]
     if one_set:  # the prefix and this call's tokens of the slot: cache positions <= own
         upto_T = jnp.where(valid_T, pos_T, -1)
         if by_slot:
             upto_NG = jnp.full((n_slots * g,), -1, jnp.int32).at[row].set(upto_T, mode="drop")
-            m_ctx = (key_idx[None, :] <= upto_NG[:, None]).reshape(1, n_slots, g, cache_len)
+            m_ctx = (key_idx[None, :] <= upto_NG[:, None]) & after(upto_NG)
+            m_ctx = m_ctx.reshape(1, n_slots, g, cache_len)
         else:
-            m_ctx = (key_idx[None, :] <= upto_T[:, None])[None, :, None, :]
+            m_ctx = ((key_idx[None, :] <= upto_T[:, None]) & after(upto_T))[None, :, None, :]
     return _Layout(by_slot, one_slot, n_slots, g, row, back, m_ctx, m_own)
 
 
-def _attend_cached(lay: _Layout, q, k, v, ck, cv, slot_T, one_set: bool):
+def _attend_cached(lay: _Layout, q, k, v, ck, cv, slot_T, one_set: bool, scale=None):
     """One layer's attention of the call's queries q [1, T, n, d] over the cache ck / cv
     [N, K, S_b, d] (and, unless `one_set`, the call's own k / v [1, K, T, d])."""
     n_slots, g, row = lay.n_slots, lay.g, lay.row
     if lay.by_slot:  # slot n's G query rows read slot n's cache in place and its own G tokens
         q_g = jnp.zeros((1, n_slots * g) + q.shape[2:], q.dtype).at[0, row].set(q[0], mode="drop")
         if one_set:
-            return attend(q_g, [(ck[None], cv[None], lay.m_ctx)])[:, lay.back]
+            return attend(q_g, [(ck[None], cv[None], lay.m_ctx)], scale=scale)[:, lay.back]
         kv_g = [
             jnp.zeros((n_slots * g,) + y.shape[1:2] + y.shape[3:], y.dtype)
             .at[row]
@@ -196,12 +213,12 @@ def _attend_cached(lay: _Layout, q, k, v, ck, cv, slot_T, one_set: bool):
             for y in (k, v)
         ]  # [1, N, K, G, d]
         sets = [(ck[None], cv[None], lay.m_ctx), (kv_g[0], kv_g[1], lay.m_own)]
-        return attend(q_g, sets)[:, lay.back]
+        return attend(q_g, sets, scale=scale)[:, lay.back]
     own = [] if one_set else [(k, v, lay.m_own)]
     if lay.one_slot:  # every token reads slot 0: no per-token copy of the cache
-        return attend(q, [(ck, cv, lay.m_ctx[:, :, 0])] + own)
+        return attend(q, [(ck, cv, lay.m_ctx[:, :, 0])] + own, scale=scale)
     # token t gathers its own slot's prefix: T groups of one query
-    return attend(q, [(ck[slot_T][None], cv[slot_T][None], lay.m_ctx)] + own)
+    return attend(q, [(ck[slot_T][None], cv[slot_T][None], lay.m_ctx)] + own, scale=scale)
 
 
 def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cache_len,
@@ -212,39 +229,39 @@ def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cac
     each token reads the cache up to its own position, its own tokens' K/V included."""
     if one_set and not write:
         raise ValueError("packed forward: one_set reads the tokens' K/V from the cache: write it")
-    tf.require_transformer(cfg, "the packed forward (serving engine)")
     model = tf.build(cfg, params)
     s_max = cache.max_len
     cache_len = min(int(cache_len), s_max)
-    x = jnp.take(model.embed_tokens[...], tokens_T, axis=0)[None]  # [1, T, H]
+    x, inputs = model.embed(tokens_T[None])  # [1, T, H], Gemma 4: per-layer inputs [1, T, L, P]
     pos_1xT = pos_T[None].astype(jnp.int32)
-    lay = _layout(cache, cache_len, slot_T, offset_T, pos_T, valid_T, slot_tokens, one_set)
+    args = (cache, cache_len, slot_T, offset_T, pos_T, valid_T, slot_tokens, one_set)
+    lays = {w: _layout(*args, w) for w in {layer.window for layer in model.layers}}
     write_T = jnp.where(valid_T, pos_T, s_max).astype(jnp.int32)  # s_max: dropped
-    rows, heads = slot_T[None, :], jnp.arange(cfg.num_kv_heads)[:, None]
-    feats, new_k, new_v, out_k, out_v = {}, [], [], [], []
+    rows = slot_T[None, :]
+    feats, kvs, new_k, new_v, out_k, out_v = {}, {}, [], [], [], []
     for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        # q [1, T, n, d], k / v [1, K, T, d]
-        q, k, v = attn.qkv(layer.input_layernorm(x), pos_1xT)
-        ck, cv = cache.k[i], cache.v[i]  # [N, K, S, d]
-        if write:  # then read: in place (a write after the reads made XLA copy the cache)
-            ck, cv = (
-                _put(ck, rows, heads, write_T[None], k[0]),
-                _put(cv, rows, heads, write_T[None], v[0]),
-            )
-            out_k.append(ck)
-            out_v.append(cv)
-        ck, cv = ck[:, :, :cache_len], cv[:, :, :cache_len]  # [N, K, S_b, d]
-        x = x + attn.o_proj(_attend_cached(lay, q, k, v, ck, cv, slot_T, one_set))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        new_k.append(k[0])
-        new_v.append(v[0])
+        # q [1, T, n, d], k / v [1, K, T, d] (None: a KV-shared layer reads its source's)
+        q, k, v = layer.attention_inputs(x, pos_1xT)
+        src = model.kv_source(i)
+        if src == i:
+            ck, cv = cache.k[i], cache.v[i]  # [N, K, S, d]
+            if write:  # then read: in place (a write after the reads made XLA copy the cache)
+                heads = jnp.arange(ck.shape[1])[:, None]
+                ck, cv = (
+                    _put(ck, rows, heads, write_T[None], k[0]),
+                    _put(cv, rows, heads, write_T[None], v[0]),
+                )
+                out_k.append(ck)
+                out_v.append(cv)
+            new_k.append(k[0])
+            new_v.append(v[0])
+            kvs[i] = (k, v, ck[:, :, :cache_len], cv[:, :, :cache_len])  # [N, K, S_b, d]
+        k, v, ck, cv = kvs[src]
+        a = _attend_cached(lays[layer.window], q, k, v, ck, cv, slot_T, one_set, layer.scale)
+        x = layer.finish(x, a, None if inputs is None else inputs[:, :, i])
         if i in cfg.target_layer_ids:
             feats[cfg.target_layer_ids.index(i)] = x
-    features = jnp.concatenate([feats[j] for j in sorted(feats)], axis=-1)
-    hidden = model.norm(x)
-    logits = model.logits(hidden) if compute_logits else None
-    out = tf.ForwardOut(logits, features, hidden)
+    out = outputs(model, x, list(feats.items()), compute_logits)
     if write:
         return out, cache._replace(k=tuple(out_k), v=tuple(out_v))
     return out, NewKV(tuple(new_k), tuple(new_v), slot_T.astype(jnp.int32), write_T)

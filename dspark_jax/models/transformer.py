@@ -53,6 +53,7 @@ __all__ = [  # the layers re-exported for the code that reads them from here
     "Transformer",
     "apply_rope",
     "build",
+    "embedding_table",
     "model_class",
     "forward",
     "forward_jit",
@@ -73,9 +74,22 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.mlp = MLP(cfg, rngs=rngs)
 
+    window = None  # full attention (a Gemma 4 sliding layer: its window)
+    scale = None  # attention scores scaled by 1/sqrt(d) (`layers.attend`'s default)
+
+    def attention_inputs(self, x_BxTxH, positions_BxT):
+        """Queries [B, T, n_q, d], keys and values [B, n_kv, T, d] of the layer's input (the
+        piece the packed and paged forwards compose, as `gemma4.Gemma4Layer`'s)."""
+        return self.self_attn.qkv(self.input_layernorm(x_BxTxH), positions_BxT)
+
+    def finish(self, x_BxTxH, a_BxTxF, layer_input=None):
+        """The layer's output from its input and its attention's output [B, T, n_q * d]."""
+        h = x_BxTxH + self.self_attn.o_proj(a_BxTxF)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
     def __call__(self, x_BxTxH, positions_BxT, kv_cache, key_positions_BxS):
         """kv_cache is (k, v) [B,nkv,S,d] to write into, or None for cache-free full sequence."""
-        q, k, v = self.self_attn.qkv(self.input_layernorm(x_BxTxH), positions_BxT)
+        q, k, v = self.attention_inputs(x_BxTxH, positions_BxT)
         mask = key_positions_BxS[:, None, :] <= positions_BxT[:, :, None]
         if kv_cache is None:
             a = attend(q, [(k, v, mask)])
@@ -89,9 +103,7 @@ class DecoderLayer(nnx.Module):
             cv = cv.at[rows, heads, pos].set(v.astype(cv.dtype), mode="drop")
             a = attend(q, [(ck, cv, mask)])
             new_kv = (ck, cv)
-        h = x_BxTxH + self.self_attn.o_proj(a)
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, new_kv
+        return self.finish(x_BxTxH, a), new_kv
 
 
 class Transformer(nnx.Module):
@@ -124,9 +136,17 @@ class Transformer(nnx.Module):
             preferred_element_type=jnp.float32,
         )
 
+    def embed(self, tokens_BxT):
+        """(the embedding [B, T, H], None: no per-layer inputs; Gemma 4's `embed` has them)."""
+        return jnp.take(self.embed_tokens[...], tokens_BxT, axis=0), None
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V `layer` attends to: itself (Gemma 4 has KV-shared layers)."""
+        return layer
+
     def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None, compute_logits=True):
         cfg = self.cfg
-        x = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0)
+        x, _ = self.embed(tokens_BxT)
         if cache is None:
             key_pos = positions_BxT
         else:
@@ -147,14 +167,21 @@ class Transformer(nnx.Module):
 
 
 def require_transformer(cfg: TargetConfig, what: str) -> None:
-    """ConfigError unless `cfg` is one of this module's families: for the forwards that compose
-    `Transformer`'s layers themselves (packed, paged), which a Gemma 4 target would run without
-    its windows, norms and scales."""
+    """ConfigError unless `cfg` is one of this module's families: for the paged forward, which
+    composes `Transformer`'s layers itself and would run a Gemma 4 target without its windows,
+    norms and scales (the packed forward composes either family's layers)."""
     if cfg.architecture == "gemma4":
         raise ConfigError(
-            f"{what} does not support gemma4 targets yet; use models.forward / models.generate "
+            f"{what} does not support gemma4 targets yet; serve them with kv_layout='slot' "
             "(issue 41)"
         )
+
+
+def embedding_table(params: nnx.State) -> jax.Array:
+    """The target's token embedding table [V, H] from its parameters (Gemma 4's `ScaledEmbed`
+    holds it as `weight`; its sqrt(H) scale is applied in `embed`, not stored)."""
+    e = params["embed_tokens"]
+    return (e if isinstance(e, nnx.Variable) else e["weight"])[...]
 
 
 def model_class(cfg: TargetConfig):
