@@ -99,7 +99,9 @@ def train_lm(
         opt_state = jax.jit(opt.init, out_shardings=repl)(params)
     else:
         opt_state = opt.init(params)
-    ckpt = Checkpointer(run_dir / "ckpt", max_to_keep=1, async_save=True)
+    # per host: a background save's cross-process barriers could interleave with the steps'
+    # collectives in another order on each process (seen: a hang at the first save)
+    ckpt = Checkpointer(run_dir / "ckpt", max_to_keep=1, async_save=not per_host)
     start = 0
     restored = ckpt.restore(abstract_like({"params": params, "opt": opt_state}))
     if restored is not None:
