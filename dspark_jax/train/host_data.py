@@ -174,6 +174,11 @@ class PackedWindows:
 
     def __init__(self, table: HostTable, samples: np.ndarray, seq_len: int):
         self.table, self.samples, self.seq_len = table, samples, seq_len
+        if table.ids.size >= 2**31:  # the gather's flat indices are int32
+            raise DatasetError(
+                f"a token table of {table.ids.shape} is too large for per-host windows (int32 "
+                "indices); lower target.render_windows or the number of conversations"
+            )
         self.ends = np.cumsum(table.lengths[samples])  # [n] end of each sample in the stream
         total = int(self.ends[-1]) if len(samples) else 0
         self.num = (total - 1) // seq_len
