@@ -1,8 +1,11 @@
 """One of two processes joined by jax.distributed over loopback (2 CPU devices each), reading
 only its own block of a JSONL file and of a TFDS split, tokenizing those rows only, and
-assembling the global batch with `parallel.global_batch` (`tests/test_host_data.py`).
+assembling the global batch with `parallel.global_batch` (`tests/test_host_data.py`); then the
+batch builders of the pipeline's training stages (`train.host_data`) over its own block of a
+second JSONL file, tokenized with a real tokenizer.
 
-python tests/host_data_subprocess.py OUT_JSON PORT PROCESS_ID JSONL TFDS_DATA_DIR
+python tests/host_data_subprocess.py OUT_JSON PORT PROCESS_ID JSONL TFDS_DATA_DIR CHATS TOKENIZER
+(TFDS_DATA_DIR "" skips the TFDS read)
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ import sys
 
 import jax
 import numpy as np
+
+# the pipeline builders' settings, shared with the one-process reference in the test
+TRAIN = dict(global_batch_size=8, micro_batch_size=4, eval_batch_size=4, seq_buckets=(48, 96))
+N_EVAL, SEQ_LEN, STEPS = 5, 32, 3
 
 
 def tokens(convs, length: int = 24) -> np.ndarray:
@@ -23,7 +30,55 @@ def tokens(convs, length: int = 24) -> np.ndarray:
     return out
 
 
-def main(out_json: str, port: int, pid: int, jsonl: str, tfds_dir: str) -> None:
+def render():
+    from dspark_jax.templates import RenderConfig
+
+    return RenderConfig(max_length=max(TRAIN["seq_buckets"]), min_loss_tokens=5)
+
+
+def plan(mesh, train_data, eval_data):
+    """The drafters' Trainer's data plan (`steps.plan_data`) and its batches: the micro-batches
+    of the first `STEPS` steps, then the held-out batches, each as {field: [B, L] array}."""
+    from dspark_jax.config import TrainConfig
+    from dspark_jax.train import steps
+
+    cfg = TrainConfig(**TRAIN, pad_id=3)
+    data = steps.plan_data(cfg, mesh, train_data, eval_data)
+    mbs = [mb for s in range(STEPS) for mb in data.loader.micro_batches(s * cfg.global_batch_size)]
+    out = [steps.device_batch(mesh, data.train_source, mb, cfg.pad_id) for mb in mbs]
+    return out + [steps.device_batch(mesh, data.eval_source, mb, cfg.pad_id)
+                  for mb in data.eval_plan]  # fmt: skip
+
+
+def window_order(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sample order of the packed stream, windows of one batch): as the target stage draws."""
+    return np.random.default_rng(0).permutation(n), np.array([5, 0, 2, 7, 1, 3, 4, 6])
+
+
+def pipeline_batches(mesh, chats: str, tok_dir: str, shard) -> dict:
+    from jax.experimental import multihost_utils
+
+    from dspark_jax.models.hf import load_tokenizer
+    from dspark_jax.train.data import encode_conversations, read_conversations
+    from dspark_jax.train.host_data import HostTable, per_host_layout
+
+    convs, _ = read_conversations(chats, keep_system=True, shard=shard)
+    samples, stats = encode_conversations(load_tokenizer(tok_dir), convs, render())
+    table = HostTable.of(mesh, [samples])
+    batches = plan(mesh, table.source(np.arange(N_EVAL, table.size)),
+                   table.source(np.arange(N_EVAL)))  # fmt: skip
+    order, picked = window_order(table.size)
+    windows = table.windows(order, SEQ_LEN).take(picked)
+
+    def host(x):
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True)).tolist()
+
+    return {"per_host": per_host_layout(mesh), "read": [c.id for c in convs],
+            "tokenized": stats.read, "size": table.size, "windows": host(windows),
+            "batches": [{k: host(v) for k, v in b.items()} for b in batches]}  # fmt: skip
+
+
+def main(out_json, port, pid, jsonl, tfds_dir, chats, tok_dir) -> None:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
                                initialization_timeout=60)  # fmt: skip
     from jax.experimental import multihost_utils
@@ -35,16 +90,21 @@ def main(out_json: str, port: int, pid: int, jsonl: str, tfds_dir: str) -> None:
 
     shard = (jax.process_index(), jax.process_count())
     convs, _ = read_conversations(jsonl, shard=shard)
-    chats, _ = read_tfds("dspark_tiny_chats", kind="auto", data_dir=tfds_dir, shard=shard)
+    chats_read = []
+    if tfds_dir:
+        chats_read, _ = read_tfds("dspark_tiny_chats", kind="auto", data_dir=tfds_dir, shard=shard)
     mesh = parallel.make_mesh(MeshConfig(data=2, fsdp=2))
     batch = parallel.global_batch(mesh, tokens(convs), batch=2 * len(convs))
     got = multihost_utils.process_allgather(batch, tiled=True)
-    out = {"conv_ids": [c.id for c in convs], "tfds_ids": [c.id for c in chats],
+    out = {"conv_ids": [c.id for c in convs], "tfds_ids": [c.id for c in chats_read],
            "batch": np.asarray(got).tolist(), "shape": list(batch.shape)}  # fmt: skip
+    # the pipeline's mesh in tests/test_multiprocess_stages.py: fsdp across the processes
+    out["pipeline"] = pipeline_batches(parallel.make_mesh(MeshConfig(data=1, fsdp=2, tensor=2)),
+                                       chats, tok_dir, shard)  # fmt: skip
     with open(out_json, "w") as f:
         json.dump(out, f)
     jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:8])

@@ -1,6 +1,8 @@
 """Inference on two processes, as on a pod: two real processes joined by `jax.distributed` over
 loopback (2 CPU devices each), the models sharded over both (fsdp 2 x tensor 2).
 
+- `train.py` re-runs the target stage, each process reading its own rows (per-host data), and
+  gets the one-process run's losses;
 - `train.py` re-runs calibrate and evaluate of the micro run and reports the one-process run's
   τ tables and STS temperatures;
 - `serve.py serve`: process 0 serves HTTP, process 1 follows its rounds; concurrent requests
@@ -9,6 +11,8 @@ loopback (2 CPU devices each), the models sharded over both (fsdp 2 x tensor 2).
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +24,7 @@ import httpx
 import numpy as np
 import pytest
 
+from dspark_jax.train.data import count_jsonl_rows
 from tests.procs import free_port
 from tests.test_pipeline_mesh import _env, _report, one_device_run  # noqa: F401 (the fixture)
 
@@ -135,3 +140,27 @@ def test_serve_on_two_processes_gives_the_one_device_tokens(request, tmp_path):
     for job, ids in zip(jobs, got):
         prompt, n, knobs = job
         assert ids == _one_device_engine_ids(run, prompt, n, **knobs), job
+
+
+@pytest.mark.slow
+def test_target_stage_on_two_processes_reads_per_host_and_trains_as_one(request, tmp_path):
+    """Per-host data (issue 40): each process reads and tokenizes only its block of the training
+    conversations, and the target trains on the one-process run's windows in the same order (its
+    losses equal the one-process run's up to the mesh's reduction order)."""
+    one_run = request.getfixturevalue("one_device_run")
+    run = tmp_path / "micro"
+    shutil.copytree(one_run, run)
+    args = ["--config", "configs/micro.py", "--run-dir", str(run), "--stages", "target",
+            "--force", "target", *[a for k, v in MESH.items() for a in ("--set", f"mesh.{k}={v}")]]  # fmt: skip
+    procs, logs = _launch("train.py", args, free_port(), tmp_path)
+    _wait(procs, 600)
+    text = [log.read_text() for log in logs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(t[-3000:] for t in text)
+    rows = count_jsonl_rows(next((run / "corpus").rglob("train_conversations.jsonl")))
+    read = [int(re.search(r"train_conversations.jsonl: read (\d+)", t).group(1)) for t in text]
+    assert read == [rows // 2, rows - rows // 2]
+    one, two = (json.loads((r / "target" / "train_log.json").read_text()) for r in (one_run, run))
+    assert [sorted(r) for r in two] == [sorted(r) for r in one]
+    for a, b in zip(one, two):
+        for k in a:
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-5, err_msg=k)

@@ -31,7 +31,14 @@ from dspark_jax.run.validate import validate_mesh
 from dspark_jax.sched.sts import fit_sts
 from dspark_jax.spec.metrics import reliability_from_logits
 from dspark_jax.templates import RenderConfig, encode_prompt
-from dspark_jax.train.data import encode_conversations, read_conversations, read_prompts
+from dspark_jax.train.data import (
+    count_jsonl_rows,
+    encode_conversations,
+    process_block,
+    read_conversation_block,
+    read_conversations,
+    read_prompts,
+)
 from dspark_jax.train.data_tfds import parse_tfds_spec, read_tfds
 from dspark_jax.train.memory import resolve_dtypes
 from dspark_jax.train.tokenizer import train_tokenizer
@@ -135,27 +142,43 @@ class Pipeline(StagedRun):
         return {"vocab": len(tok)}
 
     def _training_conversations(self):
+        convs = [cv for got in self._training_sources() for cv in got]
+        if not convs:
+            raise ConfigError(f"no usable training conversations in {self._training_paths()}")
+        return convs
+
+    def _training_paths(self) -> tuple[str, ...]:
         c = self.cfg
         paths = c.data.conversation_files
         if not paths and not c.data.tfds:
             paths = (str(self.corpus_files().train_conversations),)
-        convs = []
-        for p in paths:
-            # a sample's own system prompt is kept (REFERENCE §1.3); see default_system_prompt
-            got, stats = read_conversations(p, keep_system=True)
+        return (*paths, f"tfds:{c.data.tfds}") if c.data.tfds else tuple(paths)
+
+    def _training_sources(self, shard=None) -> list[list]:
+        """The training conversations of each source (files, then the TFDS split); with
+        `shard=(k, P)` only process k's block of each source's rows (`data.process_block`)."""
+        c = self.cfg
+        out = []
+        for p in self._training_paths():
+            if p.startswith("tfds:"):
+                name, split, field = parse_tfds_spec(c.data.tfds)
+                got, stats = read_tfds(name, split=split, kind="auto", field=field,
+                                       data_dir=c.data.tfds_data_dir or None, shard=shard)  # fmt: skip
+            else:
+                # a sample's own system prompt is kept (REFERENCE §1.3); see default_system_prompt
+                got, stats = read_conversations(p, keep_system=True, shard=shard)
             self.log(f"  {stats.summary()}")
-            convs += got
-        if c.data.tfds:
-            name, split, field = parse_tfds_spec(c.data.tfds)
-            got, stats = read_tfds(
-                name, split=split, kind="auto", field=field, data_dir=c.data.tfds_data_dir or None
-            )
-            self.log(f"  {stats.summary()}")
-            convs += got
-            paths = (*paths, f"tfds:{c.data.tfds}")
-        if not convs:
-            raise ConfigError(f"no usable training conversations in {paths}")
-        return convs
+            out.append(got)
+        return out
+
+    def _per_host(self) -> bool:
+        """Whether this run reads per host (issue 40): several processes, laid along the mesh's
+        data / fsdp axes (`host_data.per_host_layout`); else every process reads everything."""
+        if jax.process_count() == 1:
+            return False
+        from dspark_jax.train.host_data import per_host_layout
+
+        return per_host_layout(self.mesh)
 
     def _stage_target(self):
         c = self.cfg
@@ -168,20 +191,23 @@ class Pipeline(StagedRun):
         tok = self.tokenizer()
         vocab = _round_up(len(tok), t.vocab_multiple)
         tcfg = t.model.replace(vocab_size=vocab)
-        convs = self._training_conversations()
         rc = RenderConfig(
             max_length=max(t.train.seq_buckets) * t.render_windows,
             min_loss_tokens=t.min_loss_tokens,
         )
-        samples, _ = encode_conversations(tok, convs, rc)
-        rng = np.random.default_rng(t.train.seed)
-        order = rng.permutation(len(samples))
-        n_held = max(1, len(samples) // t.heldout_one_in)
-        held = [samples[i].input_ids for i in order[:n_held]]
-        train = [samples[i].input_ids for i in order[n_held:]]
+        if self._per_host():
+            held, train, n_tokens = self._target_windows(tok, rc)
+        else:
+            samples, _ = encode_conversations(tok, self._training_conversations(), rc)
+            rng = np.random.default_rng(t.train.seed)
+            order = rng.permutation(len(samples))
+            n_held = max(1, len(samples) // t.heldout_one_in)
+            held = [samples[i].input_ids for i in order[:n_held]]
+            train = [samples[i].input_ids for i in order[n_held:]]
+            n_tokens = sum(len(t) for t in train)
         self.log(
             f"  target: {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, vocab {vocab}; "
-            f"{sum(len(t) for t in train)} training tokens"
+            f"{n_tokens} training tokens"
         )
         params, log = train_lm(
             tcfg, train, t.train, self.stage_dir("target"), heldout_token_lists=held
@@ -190,6 +216,25 @@ class Pipeline(StagedRun):
         self.rundir.forget("target")
         write_json_atomic(self.stage_dir("target") / "train_log.json", log)
         return {"params": _count(params), "final": log[-1] if log else None}
+
+    def _target_windows(self, tok, rc):
+        """(held-out, training) windows and the training tokens of a per-host run: this process
+        reads and tokenizes only its block of each source; the windows are the one-process
+        run's (`host_data.HostTable`)."""
+        from dspark_jax.train.host_data import HostTable
+
+        t = self.cfg.target
+        shard = (jax.process_index(), jax.process_count())
+        sources = [encode_conversations(tok, got, rc)[0]
+                   for got in self._training_sources(shard)]  # fmt: skip
+        table = HostTable.of(self.mesh, sources)
+        if not table.size:
+            raise ConfigError(f"no usable training conversations in {self._training_paths()}")
+        order = np.random.default_rng(t.train.seed).permutation(table.size)
+        n_held = max(1, table.size // t.heldout_one_in)
+        seq_len = max(t.train.seq_buckets)
+        train = table.windows(order[n_held:], seq_len)
+        return table.windows(order[:n_held], seq_len), train, int(train.ends[-1])
 
     def _regen_requests(self):
         """(the sample's own system message or None, its user turns) of the training prompts in
@@ -217,14 +262,34 @@ class Pipeline(StagedRun):
     def _stage_regenerate(self):
         return regenerate_stage.run_regenerate(self)
 
+    def _regenerated_files(self) -> list[Path]:
+        return sorted((self.stage_dir("regenerate") / "shards").glob("*.jsonl"))
+
+    def _calibration_count(self, n: int) -> int:
+        c = self.cfg.calibrate
+        return min(c.max_prompts, max(n // c.heldout_one_in, 1))
+
     def _regenerated(self):
         convs = []
-        for p in sorted((self.stage_dir("regenerate") / "shards").glob("*.jsonl")):
+        for p in self._regenerated_files():
             got, _ = read_conversations(p, keep_system=True)
             convs += got
-        c = self.cfg.calibrate
-        n_cal = min(c.max_prompts, max(len(convs) // c.heldout_one_in, 1))
+        n_cal = self._calibration_count(len(convs))
         return convs[: len(convs) - n_cal], convs[len(convs) - n_cal :]
+
+    def _regenerated_block(self):
+        """This process's block (`data.process_block`) of the drafters' training conversations
+        (those `_regenerated` gives): only its rows are read. Every regenerated row is a valid
+        conversation (the stage writes none other), so rows count as conversations."""
+        files = self._regenerated_files()
+        n = sum(count_jsonl_rows(p) for p in files)
+        block = process_block(n - self._calibration_count(n), jax.process_index(),
+                              jax.process_count())  # fmt: skip
+        convs, stats = read_conversation_block(files, block, keep_system=True)
+        if stats.kept != stats.read:
+            raise ConfigError(f"regenerated conversations were dropped ({stats.summary()}); "
+                              "re-run the regenerate stage (--force regenerate)")  # fmt: skip
+        return convs
 
     def _stage_drafters(self):
         from dspark_jax.train.trainer import Trainer
@@ -232,15 +297,26 @@ class Pipeline(StagedRun):
         d = self.cfg.drafters
         tcfg, tparams = self.target()
         tok = self.tokenizer()
-        train_convs, _ = self._regenerated()
         rc = RenderConfig(
             max_length=max(d.train.seq_buckets), min_loss_tokens=d.min_loss_tokens,
             default_system_prompt=self.default_system_prompt(),
         )  # fmt: skip
+        # per host (issue 40): online features only; offline caches are written per process
+        # from every sample (`features.write_feature_cache`)
+        per_host = d.train.feature_mode == "online" and self._per_host()
+        train_convs = self._regenerated_block() if per_host else self._regenerated()[0]
         samples, stats = encode_conversations(tok, train_convs, rc)
         self.log(f"  {stats.summary()}")
-        n_eval = max(d.train.global_batch_size, len(samples) // d.eval_one_in)
-        eval_s, train_s = samples[:n_eval], samples[n_eval:]
+        if per_host:
+            from dspark_jax.train.host_data import HostTable
+
+            table = HostTable.of(self.mesh, [samples])
+            n_eval = max(d.train.global_batch_size, table.size // d.eval_one_in)
+            eval_s = table.source(np.arange(min(n_eval, table.size)))
+            train_s = table.source(np.arange(n_eval, table.size))
+        else:
+            n_eval = max(d.train.global_batch_size, len(samples) // d.eval_one_in)
+            eval_s, train_s = samples[:n_eval], samples[n_eval:]
         feature_dir = self.stage_dir("drafters") / "features"
         if d.train.feature_mode == "offline":  # one target pass shared by every drafter
             train_s, eval_s = self._feature_caches(feature_dir, tcfg, tparams, train_s, eval_s)

@@ -91,6 +91,8 @@ class StagedRun:
         files: dict = {}
         corpus = ("corpus",) if self._needs_corpus(stage) else ()
         chats = {"conversations": {Path(f).name: h.file(f) for f in c.data.conversation_files}}
+        if len(c.data.conversation_files) > 1:  # their order is the data's (and names may repeat)
+            chats["conversation_order"] = [h.file(f) for f in c.data.conversation_files]
         if c.data.tfds:  # only then, so that the keys of runs without it stay as they were
             chats["tfds"] = self._tfds_source()
         if stage == "corpus":
@@ -132,6 +134,9 @@ class StagedRun:
             return fields, files, ("tokenizer", "target", "regenerate", "drafters")
         if stage == "evaluate":
             files["prompts"] = {Path(f).name: h.file(f) for f in c.data.eval_prompt_files}
+            cost = self.rundir.cost_profile_path()  # the policies' cost model, when measured
+            if cost.is_file():
+                files["cost_profile"] = h.file(cost)
             up = ("tokenizer", "target", "drafters", "calibrate", *corpus)
             return ("name", "evaluate"), files, up
         raise ConfigError(f"unknown stage {stage!r} — stages: {', '.join(STAGES)}")

@@ -259,17 +259,21 @@ def _row_meta(obj: Mapping[str, Any], default_id: Id) -> dict[str, Any]:
 
 
 def read_conversations(
-    path: str | os.PathLike, *, keep_system: bool = False, shard: tuple[int, int] | None = None
+    path: str | os.PathLike,
+    *,
+    keep_system: bool = False,
+    shard: tuple[int, int] | None = None,
+    rows: range | None = None,
 ) -> tuple[list[Conversation], ReadStats]:
     """Read a conversation JSONL file (see module docstring) into validated `Conversation`s.
 
     A row without an ``id`` gets its 0-based row index. Conversations with only user turns are
     kept (regeneration input); the encoder later drops those with too few loss tokens.
-    `shard=(k, P)` reads (parses, validates) only process k's block of rows (`process_block`).
+    `shard=(k, P)` reads (parses, validates) only process k's block of rows (`process_block`);
+    `rows` (a range of 0-based row indices) reads only those.
     """
     stats = ReadStats(source=Path(path).name)
     convs: list[Conversation] = []
-    rows = None
     if shard is not None and Path(path).is_file():
         rows = process_block(count_jsonl_rows(path), *shard)
     start = rows.start if rows is not None else 0
@@ -285,6 +289,25 @@ def read_conversations(
             continue
         convs.append(Conversation(msgs, **_row_meta(obj, row_idx)))
         stats.kept += 1
+    return convs, stats
+
+
+def read_conversation_block(
+    paths: Sequence[str | os.PathLike], block: range, *, keep_system: bool = False
+) -> tuple[list[Conversation], ReadStats]:
+    """Rows `block` of `paths` read as one file (rows numbered across the files in order):
+    only those rows are parsed, e.g. a process's `process_block` of every file's rows."""
+    convs: list[Conversation] = []
+    stats = ReadStats(source=f"rows {block.start}..{block.stop - 1} of {len(paths)} file(s)")
+    lo = 0
+    for p in paths:
+        n = count_jsonl_rows(p)
+        mine = range(max(block.start - lo, 0), min(block.stop - lo, n))
+        if mine:
+            got, st = read_conversations(p, keep_system=keep_system, rows=mine)
+            convs += got
+            stats = stats.merge(st, stats.source)
+        lo += n
     return convs, stats
 
 

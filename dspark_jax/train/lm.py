@@ -4,7 +4,9 @@ Uses the drafter trainer's optimizer (`optimizer.make_optimizer`: AdamW, warmup 
 clipping) and its orbax `Checkpointer`, so an interrupted run resumes from its last checkpoint
 with the same data order. Batches are fixed-shape [batch_size, seq_len] windows cut from the
 tokenized conversations (packed end to end, so no padding is trained), drawn in a permutation
-seeded by (seed, epoch).
+seeded by (seed, epoch). In a multi-process run the windows are a `host_data.PackedWindows`
+(each process tokenized only its own rows): the same windows in the same order, gathered on the
+mesh, with the parameters replicated over it.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from dspark_jax import parallel
 from dspark_jax.config import TargetConfig, TrainConfig
 from dspark_jax.models.transformer import forward, init_params
 from dspark_jax.train.checkpoint import Checkpointer, abstract_like
+from dspark_jax.train.host_data import PackedWindows
 from dspark_jax.train.optimizer import make_optimizer
 from dspark_jax.xla_cpu import training_compiler_options
 
@@ -55,10 +59,12 @@ def _step(cfg, opt, params, opt_state, batch):
 
 
 @functools.cache
-def _step_jit(options: tuple):
-    """The jitted step, compiled with the training compiler options (`xla_cpu.py`)."""
+def _step_jit(options: tuple, out_sharding=None):
+    """The jitted step, compiled with the training compiler options (`xla_cpu.py`); with
+    `out_sharding` (per-host windows), its outputs stay replicated on that mesh."""
+    kw = {} if out_sharding is None else {"out_shardings": out_sharding}
     return jax.jit(_step, static_argnums=(0, 1), donate_argnums=(2, 3),
-                   compiler_options=dict(options) or None)  # fmt: skip
+                   compiler_options=dict(options) or None, **kw)  # fmt: skip
 
 
 def train_lm(
@@ -74,18 +80,28 @@ def train_lm(
 
     Reads from `tc`: the optimizer fields, `total_steps` steps of `global_batch_size` windows of
     `max(seq_buckets)` tokens, `seed` (init and data order), `checkpoint_interval`, the loss logged
-    every `log_interval` steps, and `max_eval_batches` batches of held-out windows."""
+    every `log_interval` steps, and `max_eval_batches` batches of held-out windows.
+    `token_lists` (and `heldout_token_lists`) may instead be `host_data.PackedWindows` of
+    `max(seq_buckets)` (per-host data, module docstring)."""
     run_dir = Path(run_dir)
     seq_len, batch_size, steps = max(tc.seq_buckets), tc.global_batch_size, tc.total_steps
-    windows = pack_windows(token_lists, seq_len)
+    per_host = isinstance(token_lists, PackedWindows)
+    windows = token_lists if per_host else pack_windows(token_lists, seq_len)
     if len(windows) < batch_size:
         raise ValueError(
             f"only {len(windows)} windows of {seq_len} tokens for batch_size={batch_size}"
         )
     opt = make_optimizer(tc, steps)
     params = init_params(cfg, tc.seed)
-    opt_state = opt.init(params)
-    ckpt = Checkpointer(run_dir / "ckpt", max_to_keep=1, async_save=True)
+    repl = parallel.replicated(windows.mesh) if per_host else None
+    if per_host:
+        params = parallel.put(params, jax.tree.map(lambda _: repl, params))
+        opt_state = jax.jit(opt.init, out_shardings=repl)(params)
+    else:
+        opt_state = opt.init(params)
+    # per host: a background save's cross-process barriers could interleave with the steps'
+    # collectives in another order on each process (seen: a hang at the first save)
+    ckpt = Checkpointer(run_dir / "ckpt", max_to_keep=1, async_save=not per_host)
     start = 0
     restored = ckpt.restore(abstract_like({"params": params, "opt": opt_state}))
     if restored is not None:
@@ -96,14 +112,15 @@ def train_lm(
     def batch_at(step):
         epoch, i = divmod(step, per_epoch)
         order = np.random.default_rng([tc.seed, epoch]).permutation(len(windows))
-        return windows[order[i * batch_size : (i + 1) * batch_size]]
+        picked = order[i * batch_size : (i + 1) * batch_size]
+        return windows.take(picked) if per_host else jnp.asarray(windows[picked])
 
-    step_fn = _step_jit(tuple((training_compiler_options() or {}).items()))
+    step_fn = _step_jit(tuple((training_compiler_options() or {}).items()), repl)
     log = []
     bar = tqdm(total=steps, initial=start, desc="target", disable=not progress, unit="step")
     loss = None
     for step in range(start, steps):
-        params, opt_state, loss = step_fn(cfg, opt, params, opt_state, jnp.asarray(batch_at(step)))
+        params, opt_state, loss = step_fn(cfg, opt, params, opt_state, batch_at(step))
         if step % tc.log_interval == 0 or step == steps - 1:
             lv = float(loss)
             log.append({"step": step, "loss": lv})
@@ -114,8 +131,16 @@ def train_lm(
             ckpt.save(step + 1, {"params": params, "opt": opt_state}, {"kind": "target"})
     bar.close()
     ckpt.close()
+    if isinstance(heldout_token_lists, PackedWindows):
+        n = min(len(heldout_token_lists), tc.max_eval_batches * batch_size)
+        hw = heldout_token_lists.take(np.arange(n))
+    elif heldout_token_lists:
+        hw = jnp.asarray(
+            pack_windows(heldout_token_lists, seq_len)[: tc.max_eval_batches * batch_size]
+        )
     if heldout_token_lists:
-        hw = pack_windows(heldout_token_lists, seq_len)[: tc.max_eval_batches * batch_size]
         ev = jax.jit(functools.partial(_loss, cfg))
-        log.append({"heldout_loss": float(ev(params, jnp.asarray(hw)))})
+        log.append({"heldout_loss": float(ev(params, hw))})
+    if per_host:  # replicated: every process's own copy, as a one-process run returns them
+        params = jax.tree.map(lambda x: x.addressable_data(0), params)
     return params, log

@@ -16,7 +16,9 @@ contiguous shards and shard k has its own stream (epoch e: permutation seeded (d
 of every micro-batch, the rows process k's devices hold, come from shard k, so a process reads
 only the samples (and feature-cache chunks) of its own shard. Every process still computes the
 whole index array from the lengths alone, so bucket lengths agree everywhere. The order depends
-on P; resume with the same number of processes. A micro-batch is right-padded
+on P; resume with the same number of processes. A per-host source (`host_data.HostSource`,
+the pipeline's online drafters in a multi-process run) keeps the one-process order instead: its
+batches are gathered on the mesh. A micro-batch is right-padded
 to the smallest configured bucket that fits its longest sequence, so the number of distinct
 shapes the train step sees is at most the number of buckets.
 

@@ -296,7 +296,9 @@ def data_shards(mesh, micro_batch: int) -> int:
 
 def device_batch(mesh, source, mb: loader_lib.MicroBatch, pad_id: int) -> dict[str, jax.Array]:
     """Global [B, L, ...] arrays of micro-batch `mb`; each process reads only the rows of its
-    own devices."""
+    own devices (a source with its own `device_batch`, `host_data.HostSource`, gathers them)."""
+    if hasattr(source, "device_batch"):
+        return source.device_batch(mesh, mb, pad_id)
     b, length = mb.shape
     local = parallel.batch_sharding(mesh, (b, length)).addressable_devices_indices_map((b, length))
     cache: dict[tuple, dict[str, np.ndarray]] = {}
@@ -361,7 +363,10 @@ def plan_data(cfg, mesh, train_data, eval_data) -> DataPlan:
         buckets=cfg.seq_buckets,
         data_seed=cfg.data_seed,
         empty_sequences=cfg.empty_sequences,
-        num_shards=data_shards(mesh, cfg.micro_batch_size),
+        # a per-host source keeps the one-process order (`host_data`)
+        num_shards=1
+        if getattr(train_source, "one_process_order", False)
+        else data_shards(mesh, cfg.micro_batch_size),
     )
     eval_source = None if eval_data is None else loader_lib.as_source(eval_data)
     eval_plan = []
@@ -404,7 +409,9 @@ def check_batch_shards(cfg, mesh, field_prefix: str = "TrainConfig.") -> None:
 
 def abstract_batch(mesh, data: DataPlan, shape) -> dict[str, jax.ShapeDtypeStruct]:
     """A micro-batch of `shape` [B, L] as sharded `ShapeDtypeStruct`s (ahead-of-time lowering)."""
-    proto = data.train_source.get(int(data.loader.usable[0]))
+    src = data.train_source
+    # a per-host source (`host_data.HostSource`) may not hold row 0: it names its fields
+    proto = src.prototype() if hasattr(src, "prototype") else src.get(int(data.loader.usable[0]))
     batch = {}
     for name, v in dict(proto, attention_mask=np.zeros((1,), np.uint8)).items():
         full = tuple(shape) + tuple(np.shape(v)[1:])

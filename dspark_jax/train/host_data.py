@@ -1,0 +1,213 @@
+"""Per-host training data (issue 40): in a multi-process run each process reads and tokenizes
+only its own block of the rows (`data.process_block`); the tokenized rows of every process form
+one global token table on the mesh (`parallel.global_batch`: no process reads or sends another's
+rows), and the batches are gathered from that table on the devices in the one-process order.
+So a multi-process run trains on exactly the batches of the one-process run.
+
+    table = HostTable.of(mesh, [samples_of_source_0, samples_of_source_1, ...])
+    source = table.source(np.arange(n_eval, table.size))   # a Trainer source (`loader`)
+    windows = table.windows(rows, seq_len)                 # the target's packed windows
+
+`samples_of_source_s` are this process's `TokenizedSample`s of source s (its block of that
+source's rows, in order). The one-process order of the samples is source by source, and within a
+source process 0's samples, then process 1's, ...: the order of one process reading every row.
+Every process knows every sample's length and loss-token count (gathered, a few bytes a row), so
+all of them compute the same loader order and bucket lengths. The table holds the tokens once
+over the data x fsdp devices ([P·M, W] int32 ids + uint8 loss mask, M rows per process).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from dspark_jax import parallel
+from dspark_jax.errors import DatasetError
+from dspark_jax.train.data import TokenizedSample
+from dspark_jax.train.loader import MicroBatch
+from dspark_jax.train.steps import data_shards
+
+
+def per_host_layout(mesh) -> bool:
+    """Whether `mesh` gives each process its own contiguous block of batch rows (processes laid
+    along data / fsdp), the layout `HostTable` needs; False for one process (nothing to split)."""
+    p = jax.process_count()
+    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    return p > 1 and rows % p == 0 and data_shards(mesh, rows) == p
+
+
+def _gather(x: np.ndarray) -> np.ndarray:
+    """[P, ...]: `x` of every process (same shape everywhere)."""
+    if jax.process_count() == 1:
+        return x[None]
+    return np.asarray(multihost_utils.process_allgather(x))
+
+
+class HostTable:
+    """The tokenized samples of every process as one global table (see the module docstring).
+
+    `size` samples in the one-process order; sample i is table row `row[i]`, `lengths[i]`
+    tokens, `num_loss_tokens[i]` supervised ones. `local` maps a table row this process holds to
+    its `TokenizedSample`."""
+
+    def __init__(self, mesh, ids, mask, row, lengths, num_loss_tokens, local):
+        self.mesh, self.ids, self.mask = mesh, ids, mask  # [P·M, W] global arrays
+        self.row, self.lengths, self.num_loss_tokens = row, lengths, num_loss_tokens  # [N]
+        self.local = local
+        self.size = len(row)
+        self.width = ids.shape[1]
+
+    @classmethod
+    def of(cls, mesh, sources: Sequence[Sequence[TokenizedSample]]) -> HostTable:
+        """Every process calls this with its own samples of each source (same number of sources
+        everywhere); collective."""
+        p, k = jax.process_count(), jax.process_index()
+        mine = [s for src in sources for s in src]
+        counts = _gather(np.asarray([len(src) for src in sources], np.int64))  # [P, S]
+        shards = mesh.shape["data"] * mesh.shape["fsdp"]
+        step = max(shards // p, 1)  # each process's rows split over its data x fsdp devices
+        m = max(-(-int(counts.sum(1).max()) // step) * step, step)
+        lens = np.zeros(m, np.int64)
+        lens[: len(mine)] = [len(s) for s in mine]
+        nloss = np.zeros(m, np.int64)
+        nloss[: len(mine)] = [s.num_loss_tokens for s in mine]
+        all_lens, all_nloss = _gather(lens), _gather(nloss)  # [P, M]
+        width = max(int(all_lens.max()), 1)
+        ids = np.zeros((m, width), np.int32)
+        mask = np.zeros((m, width), np.uint8)
+        for j, s in enumerate(mine):
+            ids[j, : len(s)] = s.input_ids
+            mask[j, : len(s)] = s.loss_mask
+        row = []
+        starts = np.cumsum(counts, axis=1) - counts  # [P, S]: first local row of each source
+        for s in range(counts.shape[1]):
+            for q in range(p):
+                row += range(q * m + starts[q, s], q * m + starts[q, s] + counts[q, s])
+        row = np.asarray(row, np.int64)
+        return cls(
+            mesh,
+            parallel.global_batch(mesh, ids, batch=p * m),
+            parallel.global_batch(mesh, mask, batch=p * m),
+            row,
+            all_lens.reshape(-1)[row],
+            all_nloss.reshape(-1)[row],
+            {k * m + j: s for j, s in enumerate(mine)},
+        )
+
+    def source(self, samples: np.ndarray) -> HostSource:
+        """A `loader` source over table samples `samples` (indices into the one-process order)."""
+        return HostSource(self, np.asarray(samples, np.int64))
+
+    def windows(self, samples: np.ndarray, seq_len: int) -> PackedWindows:
+        """The target's training windows (`lm.pack_windows`) of table samples `samples`."""
+        return PackedWindows(self, np.asarray(samples, np.int64), seq_len)
+
+
+class HostSource:
+    """A training source (`loader.SampleSource`) over rows of a `HostTable`. Its lengths cover
+    every process's rows, so every process plans the same batches; `get` reads only rows this
+    process holds, and the Trainer's batches come from `device_batch` (gathered on the mesh).
+    The loader keeps the one-process order for it (`one_process_order`)."""
+
+    one_process_order = True
+
+    def __init__(self, table: HostTable, samples: np.ndarray):
+        self.table, self.samples = table, samples
+        self.lengths = table.lengths[samples]
+        self.num_loss_tokens = table.num_loss_tokens[samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def get(self, i: int) -> dict[str, np.ndarray]:
+        r = int(self.table.row[self.samples[i]])
+        if r not in self.table.local:
+            raise DatasetError(
+                f"row {i} is held by another process; read batches with device_batch (per-host "
+                "data: each process holds only its own rows)"
+            )
+        s = self.table.local[r]
+        return {"input_ids": s.input_ids, "loss_mask": s.loss_mask}
+
+    def prototype(self) -> dict[str, np.ndarray]:
+        """The fields of a row (dtypes and trailing shapes), without reading one."""
+        return {"input_ids": np.zeros(0, np.int32), "loss_mask": np.zeros(0, np.uint8)}
+
+    def device_batch(self, mesh, mb: MicroBatch, pad_id: int) -> dict[str, jax.Array]:
+        """The global micro-batch `mb` as `loader.load_rows` pads it (filler rows: all padding),
+        gathered from the table on the mesh; placed by `parallel.batch_sharding`."""
+        b, length = mb.shape
+        valid = mb.indices >= 0
+        idx = self.samples[np.where(valid, mb.indices, 0)]
+        rows = np.where(valid, self.table.row[idx], -1).astype(np.int32)
+        lens = np.where(valid, self.table.lengths[idx], 0).astype(np.int32)
+        sharding = parallel.batch_sharding(mesh, (b, length))
+        fn = _rows_program(length, sharding)
+        ids, loss, attn = fn(self.table.ids, self.table.mask, rows, lens, np.int32(pad_id))
+        return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn}
+
+
+@functools.cache
+def _rows_program(length: int, sharding):
+    """rows [B] of the table, right-padded (or cut) to `length` columns; -1 = a filler row."""
+
+    def rows_BxL(ids_NxW, mask_NxW, rows_B, lens_B, pad_id):
+        w = ids_NxW.shape[1]
+        r = jnp.maximum(rows_B, 0)
+        cols = jnp.minimum(jnp.arange(length), w - 1)
+        real_BxL = jnp.arange(length)[None, :] < lens_B[:, None]
+        ids = jnp.where(real_BxL, ids_NxW[r][:, cols], pad_id).astype(jnp.int32)
+        loss = jnp.where(real_BxL, mask_NxW[r][:, cols], 0).astype(jnp.uint8)
+        return ids, loss, real_BxL.astype(jnp.uint8)
+
+    return jax.jit(rows_BxL, out_shardings=(sharding, sharding, sharding))
+
+
+class PackedWindows:
+    """`lm.pack_windows` of table samples `samples` (their tokens concatenated in that order,
+    cut into [n, seq_len + 1] windows), gathered on the mesh a batch at a time (`take`)."""
+
+    def __init__(self, table: HostTable, samples: np.ndarray, seq_len: int):
+        self.table, self.samples, self.seq_len = table, samples, seq_len
+        if table.ids.size >= 2**31:  # the gather's flat indices are int32
+            raise DatasetError(
+                f"a token table of {table.ids.shape} is too large for per-host windows (int32 "
+                "indices); lower target.render_windows or the number of conversations"
+            )
+        self.ends = np.cumsum(table.lengths[samples])  # [n] end of each sample in the stream
+        total = int(self.ends[-1]) if len(samples) else 0
+        self.num = (total - 1) // seq_len
+        if self.num < 1:
+            raise ValueError(
+                f"not enough text to train the target: {total} tokens < seq_len + 1 = {seq_len + 1}"
+            )
+
+    @property
+    def mesh(self):
+        return self.table.mesh
+
+    def __len__(self) -> int:
+        return self.num
+
+    def take(self, windows: np.ndarray) -> jax.Array:
+        """Windows `windows` [B] as a global [B, seq_len + 1] int32 array (batch-sharded)."""
+        pos = np.asarray(windows, np.int64)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        s = np.searchsorted(self.ends, pos, side="right")  # the sample of each stream position
+        lens = self.table.lengths[self.samples]
+        offset = pos - (self.ends[s] - lens[s])
+        flat = (self.table.row[self.samples[s]] * self.table.width + offset).astype(np.int32)
+        sharding = parallel.batch_sharding(self.mesh, flat.shape)
+        return _flat_program(sharding)(self.table.ids, flat)
+
+
+@functools.cache
+def _flat_program(sharding):
+    return jax.jit(lambda ids_NxW, flat: ids_NxW.reshape(-1)[flat], out_shardings=sharding)
+
+
+__all__ = ["HostSource", "HostTable", "PackedWindows", "per_host_layout"]
