@@ -231,5 +231,5 @@ def test_sampled_mode_greedy_row_and_neighbour_independence(pair, prompts, refs)
 
 def test_paged_layout_refused(pair):
     """The paged layout's forward does not run Gemma 4 yet: refused at construction."""
-    with pytest.raises(ConfigError, match="paged KV layout.*does not support gemma4.*'slot'"):
+    with pytest.raises(ConfigError, match="paged KV layout.*does not support gemma4.*'slots'"):
         _engine(pair, "greedy", kv_layout="paged", page_size=8)

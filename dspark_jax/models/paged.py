@@ -122,10 +122,6 @@ def paged_forward(
     their `PagedNewKV` for `write_new_kv`; the same values up to float reassociation). Every
     valid token's position must lie inside its request's table (< B * page)."""
     tf.require_transformer(cfg, "the paged forward")
-    if tokens_T.shape[0] == 1:  # one token: run a bucket of 2 (the second is padding), see below
-        return _one_token(cfg, params, tokens_T, cu_q_lens_R1, kv_lens_R, block_tables_RxB, cache,
-                          compute_logits=compute_logits, q_per_req=q_per_req, window=window,
-                          softcap=softcap, impl=impl, write=write)  # fmt: skip
     model = tf.build(cfg, params)
     t = tokens_T.shape[0]
     tm = token_map(cu_q_lens_R1, kv_lens_R, t)
@@ -161,17 +157,6 @@ def paged_forward(
     if not write:
         return out, PagedNewKV(tuple(out_k), tuple(out_v), slots_T)
     return out, PagedKVCache(tuple(out_k), tuple(out_v))
-
-
-def _one_token(cfg, params, tokens_T, *args, write, **kw):
-    """A one-token bucket as a two-token one whose second token is padding (past cu[R]): XLA:CPU
-    lays the pools of a one-row scatter out differently and copies every layer's K and V pool on
-    each call (4-7x the two-token forward at the demo's size, 256 pages); outputs sliced back."""
-    out, c = paged_forward(cfg, params, jnp.pad(tokens_T, (0, 1)), *args, write=write, **kw)
-    out = tf.ForwardOut(*(None if a is None else a[:, :1] for a in out))
-    if not write:
-        c = PagedNewKV(tuple(k[:1] for k in c.k), tuple(v[:1] for v in c.v), c.slots[:1])
-    return out, c
 
 
 _STATIC = ("cfg", "compute_logits", "q_per_req", "window", "softcap", "impl", "write")

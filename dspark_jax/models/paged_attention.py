@@ -88,6 +88,11 @@ def write_pages(k_pages, v_pages, k_TxKxD, v_TxKxD, slot_mapping_T):
     """The pools with each token's K/V [T, n_kv, d] at its flat slot; slots < 0 are dropped."""
     p, page, nkv, d = k_pages.shape
     idx = jnp.where(slot_mapping_T >= 0, slot_mapping_T, p * page)  # out of range: dropped
+    if idx.shape[0] == 1:  # one row is written as two (the second dropped): for a one-row
+        # scatter XLA:CPU lays the pool out differently and copies it, every layer, every call
+        # (a one-token paged forward took 4-7x a two-token one at the demo's size)
+        idx = jnp.pad(idx, (0, 1), constant_values=p * page)
+        k_TxKxD, v_TxKxD = (jnp.pad(x, ((0, 1), (0, 0), (0, 0))) for x in (k_TxKxD, v_TxKxD))
 
     def put(pages, x):
         flat = pages.reshape(p * page, nkv, d)

@@ -172,8 +172,8 @@ def require_transformer(cfg: TargetConfig, what: str) -> None:
     norms and scales (the packed forward composes either family's layers)."""
     if cfg.architecture == "gemma4":
         raise ConfigError(
-            f"{what} does not support gemma4 targets yet; serve them with kv_layout='slot' "
-            "(issue 41)"
+            f"{what} does not support gemma4 targets yet — serve them with kv_layout='slots' "
+            "(serve.py --kv-layout slots)"
         )
 
 
