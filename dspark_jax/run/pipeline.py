@@ -282,10 +282,11 @@ class Pipeline(StagedRun):
         (those `_regenerated` gives): only its rows are read. Every regenerated row is a valid
         conversation (the stage writes none other), so rows count as conversations."""
         files = self._regenerated_files()
-        n = sum(count_jsonl_rows(p) for p in files)
+        counts = [count_jsonl_rows(p) for p in files]
+        n = sum(counts)
         block = process_block(n - self._calibration_count(n), jax.process_index(),
                               jax.process_count())  # fmt: skip
-        convs, stats = read_conversation_block(files, block, keep_system=True)
+        convs, stats = read_conversation_block(files, block, keep_system=True, counts=counts)
         if stats.kept != stats.read:
             raise ConfigError(f"regenerated conversations were dropped ({stats.summary()}); "
                               "re-run the regenerate stage (--force regenerate)")  # fmt: skip

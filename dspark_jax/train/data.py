@@ -293,15 +293,20 @@ def read_conversations(
 
 
 def read_conversation_block(
-    paths: Sequence[str | os.PathLike], block: range, *, keep_system: bool = False
+    paths: Sequence[str | os.PathLike],
+    block: range,
+    *,
+    keep_system: bool = False,
+    counts: Sequence[int] | None = None,
 ) -> tuple[list[Conversation], ReadStats]:
     """Rows `block` of `paths` read as one file (rows numbered across the files in order):
-    only those rows are parsed, e.g. a process's `process_block` of every file's rows."""
+    only those rows are parsed, e.g. a process's `process_block` of every file's rows.
+    `counts`: each file's rows (`count_jsonl_rows`) when the caller has them."""
     convs: list[Conversation] = []
     stats = ReadStats(source=f"rows {block.start}..{block.stop - 1} of {len(paths)} file(s)")
+    counts = [count_jsonl_rows(p) for p in paths] if counts is None else counts
     lo = 0
-    for p in paths:
-        n = count_jsonl_rows(p)
+    for p, n in zip(paths, counts):
         mine = range(max(block.start - lo, 0), min(block.stop - lo, n))
         if mine:
             got, st = read_conversations(p, keep_system=keep_system, rows=mine)
