@@ -3,6 +3,7 @@ so that one that fails (or hangs) ends the test at once with every process's las
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import time
@@ -19,15 +20,20 @@ def free_port() -> int:
 def wait_all(procs: list[subprocess.Popen], timeout: float, logs: list[Path]) -> None:
     """Wait for every process to exit 0. The first that exits non-zero, or the deadline, kills
     the others and fails the test with each log's tail (a process whose peer died would
-    otherwise sit in a collective until the deadline, and say nothing)."""
+    otherwise sit in a collective until the deadline, and say nothing). At the deadline the
+    processes are first asked for their threads' stacks (SIGUSR1: `cli/common.start_runtime`)."""
     deadline, failed = time.monotonic() + timeout, None
     try:
         while failed is None and any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
-                failed = f"still running after {timeout:g} s"
             for i, p in enumerate(procs):
                 if p.poll() not in (None, 0):
                     failed = f"process {i} exited with {p.returncode}"
+            if failed is None and time.monotonic() > deadline:
+                failed = f"still running after {timeout:g} s"
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGUSR1)
+                time.sleep(2)
             time.sleep(0.2)
     finally:
         for p in procs:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.train.data import count_jsonl_rows
-from tests.procs import free_port
+from tests.procs import free_port, wait_all
 from tests.test_pipeline_mesh import _env, _report, one_device_run  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,10 +80,9 @@ def test_calibrate_and_evaluate_on_two_processes_give_the_one_process_report(req
             "--stages", "calibrate,evaluate", "--force", "calibrate,evaluate",
             *[a for s in sets for a in ("--set", s)]]  # fmt: skip
     procs, logs = _launch("train.py", args, port, tmp_path)
-    _wait(procs, 900)
+    wait_all(procs, 900, logs)
     text = [log.read_text() for log in logs]
     tails = "\n".join(t[-3000:] for t in text)
-    assert all(p.returncode == 0 for p in procs), tails
     assert not any("Traceback" in t for t in text), tails
     for t in text:  # upstream stages reused, not re-run because of the mesh
         assert "drafters: skipped" in t and "evaluate: ran" in t, tails
@@ -153,14 +152,13 @@ def test_target_stage_on_two_processes_reads_per_host_and_trains_as_one(request,
     args = ["--config", "configs/micro.py", "--run-dir", str(run), "--stages", "target",
             "--force", "target", *[a for k, v in MESH.items() for a in ("--set", f"mesh.{k}={v}")]]  # fmt: skip
     procs, logs = _launch("train.py", args, free_port(), tmp_path)
-    _wait(procs, 600)
+    wait_all(procs, 600, logs)
     text = [log.read_text() for log in logs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(t[-3000:] for t in text)
     rows = count_jsonl_rows(next((run / "corpus").rglob("train_conversations.jsonl")))
     read = [int(re.search(r"train_conversations.jsonl: read (\d+)", t).group(1)) for t in text]
     assert read == [rows // 2, rows - rows // 2]
     one, two = (json.loads((r / "target" / "train_log.json").read_text()) for r in (one_run, run))
     assert [sorted(r) for r in two] == [sorted(r) for r in one]
-    for a, b in zip(one, two):
+    for a, b in zip(one, two):  # the mesh's reduction order: ~2e-5 apart after 20 Adam steps
         for k in a:
-            np.testing.assert_allclose(b[k], a[k], rtol=1e-5, err_msg=k)
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-4, err_msg=k)

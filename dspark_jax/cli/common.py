@@ -9,6 +9,8 @@ knob, a request that does not fit) ends the process with exit code 2 and one lin
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 import traceback
 
@@ -48,7 +50,10 @@ def report(e: BaseException, debug: bool = False) -> int:
 def start_runtime(*, announce: bool = True) -> None:
     """Before anything touches devices or compiles: the persistent compilation cache (a restart
     reads back every compiled bucket) and the unrolled threefry (the same random bits, drawn
-    faster on CPU: xla_cpu.py); then one line on stdout saying what the process runs with."""
+    faster on CPU: xla_cpu.py); then one line on stdout saying what the process runs with.
+    `kill -USR1 <pid>` prints every thread's Python stack to stderr (a run that seems stuck)."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     runtime.patient_cpu_collectives()
     cache = runtime.enable_compilation_cache()
     threefry = xla_cpu.unrolled_threefry()

@@ -138,34 +138,36 @@ class HostSource:
         """The fields of a row (dtypes and trailing shapes), without reading one."""
         return {"input_ids": np.zeros(0, np.int32), "loss_mask": np.zeros(0, np.uint8)}
 
-    def device_batch(self, mesh, mb: MicroBatch, pad_id: int) -> dict[str, jax.Array]:
+    def device_batch(self, mesh, mb: MicroBatch, pad_id: int, after=None) -> dict[str, jax.Array]:
         """The global micro-batch `mb` as `loader.load_rows` pads it (filler rows: all padding),
-        gathered from the table on the mesh; placed by `parallel.batch_sharding`."""
+        gathered from the table on the mesh; placed by `parallel.batch_sharding`. The gather runs
+        after the program that wrote `after` (`in_order`)."""
         b, length = mb.shape
         valid = mb.indices >= 0
         idx = self.samples[np.where(valid, mb.indices, 0)]
         rows = np.where(valid, self.table.row[idx], -1).astype(np.int32)
         lens = np.where(valid, self.table.lengths[idx], 0).astype(np.int32)
         sharding = parallel.batch_sharding(mesh, (b, length))
-        fn = _rows_program(length, sharding)
-        ids, loss, attn = fn(self.table.ids, self.table.mask, rows, lens, np.int32(pad_id))
+        fn = _rows_program(length, self.table.ids.sharding, sharding)
+        ids, loss, attn = fn(self.table.ids, self.table.mask, rows, lens, np.int32(pad_id),
+                             in_order(after))  # fmt: skip
         return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn}
 
 
 @functools.cache
-def _rows_program(length: int, sharding):
+def _rows_program(length: int, table_sharding, sharding):
     """rows [B] of the table, right-padded (or cut) to `length` columns; -1 = a filler row."""
 
-    def rows_BxL(ids_NxW, mask_NxW, rows_B, lens_B, pad_id):
+    def rows_BxL(ids_NxW, mask_NxW, rows_B, lens_B, pad_id, after):
         w = ids_NxW.shape[1]
-        r = jnp.maximum(rows_B, 0)
-        cols = jnp.minimum(jnp.arange(length), w - 1)
+        r = jnp.broadcast_to(jnp.maximum(rows_B, 0)[:, None], (rows_B.shape[0], length))
+        cols = jnp.broadcast_to(jnp.minimum(jnp.arange(length), w - 1), r.shape)
         real_BxL = jnp.arange(length)[None, :] < lens_B[:, None]
-        ids = jnp.where(real_BxL, ids_NxW[r][:, cols], pad_id).astype(jnp.int32)
-        loss = jnp.where(real_BxL, mask_NxW[r][:, cols], 0).astype(jnp.uint8)
-        return ids, loss, real_BxL.astype(jnp.uint8)
+        ids = jnp.where(real_BxL, _elements(table_sharding, ids_NxW, r, cols), pad_id)
+        loss = jnp.where(real_BxL, _elements(table_sharding, mask_NxW, r, cols), 0)
+        return ids.astype(jnp.int32), loss.astype(jnp.uint8), real_BxL.astype(jnp.uint8)
 
-    return jax.jit(rows_BxL, out_shardings=(sharding, sharding, sharding))
+    return jax.jit(rows_BxL, out_shardings=(sharding, sharding, sharding), keep_unused=True)
 
 
 class PackedWindows:
@@ -194,20 +196,62 @@ class PackedWindows:
     def __len__(self) -> int:
         return self.num
 
-    def take(self, windows: np.ndarray) -> jax.Array:
-        """Windows `windows` [B] as a global [B, seq_len + 1] int32 array (batch-sharded)."""
+    def take(self, windows: np.ndarray, after=None) -> jax.Array:
+        """Windows `windows` [B] as a global [B, seq_len + 1] int32 array (batch-sharded),
+        gathered after the program that wrote `after` (`in_order`)."""
         pos = np.asarray(windows, np.int64)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         s = np.searchsorted(self.ends, pos, side="right")  # the sample of each stream position
         lens = self.table.lengths[self.samples]
         offset = pos - (self.ends[s] - lens[s])
-        flat = (self.table.row[self.samples[s]] * self.table.width + offset).astype(np.int32)
-        sharding = parallel.batch_sharding(self.mesh, flat.shape)
-        return _flat_program(sharding)(self.table.ids, flat)
+        rows = self.table.row[self.samples[s]].astype(np.int32)  # [B, seq_len + 1] table rows
+        sharding = parallel.batch_sharding(self.mesh, rows.shape)
+        fn = _windows_program(self.table.ids.sharding, sharding)
+        return fn(self.table.ids, rows, offset.astype(np.int32), in_order(after))
 
 
 @functools.cache
-def _flat_program(sharding):
-    return jax.jit(lambda ids_NxW, flat: ids_NxW.reshape(-1)[flat], out_shardings=sharding)
+def _windows_program(table_sharding, sharding):
+    def windows(ids_NxW, rows, cols, after):
+        return _elements(table_sharding, ids_NxW, rows, cols)
+
+    return jax.jit(windows, out_shardings=sharding, keep_unused=True)
 
 
-__all__ = ["HostSource", "HostTable", "PackedWindows", "per_host_layout"]
+def _elements(table_sharding, table_NxW, rows, cols):
+    """`table[rows, cols]` (`rows`, `cols` of one shape) of a table whose rows are sharded over
+    the mesh (`table_sharding`): each device reads the rows it holds (0 elsewhere) and one sum
+    over the row-sharding axes assembles the values. One all-reduce and no collective-permute:
+    XLA:CPU's own lowering of this gather (two permutes and an all-reduce) hung now and then
+    between two processes (a permute waiting on a device already in the next all-reduce)."""
+    d0 = table_sharding.spec[0] if len(table_sharding.spec) else None
+    axes = () if d0 is None else (d0,) if isinstance(d0, str) else tuple(d0)
+    if not axes:
+        return table_NxW[rows, cols]
+
+    def local(t, r, c):
+        n = t.shape[0]
+        lo = jax.lax.axis_index(axes) * n
+        mine = (r >= lo) & (r < lo + n)
+        v = jnp.where(mine, t[jnp.clip(r - lo, 0, n - 1), c], 0).astype(jnp.int32)
+        return jax.lax.psum(v, axes).astype(t.dtype)
+
+    spec = jax.sharding.PartitionSpec
+    return jax.shard_map(local, mesh=table_sharding.mesh, in_specs=(spec(axes), spec(), spec()),
+                         out_specs=spec())(table_NxW, rows, cols)  # fmt: skip
+
+
+def in_order(after) -> jax.Array | np.ndarray:
+    """An input that makes a gather wait for the program that wrote `after` (any pytree of
+    arrays, e.g. the last step's loss or gradients; None: nothing to wait for).
+
+    A gather from the table and a training step are both programs with cross-process
+    collectives, and XLA:CPU starts a program on a device as soon as its inputs are ready: the
+    next batch's gather (its inputs ready at once) could otherwise start before the running step
+    on one device and after it on another, each then waiting in a collective the other has not
+    reached. Passed as an unused argument (`keep_unused`), the step's output orders the gather
+    after the step on every device."""
+    leaves = jax.tree.leaves(after)
+    return leaves[0] if leaves else np.zeros((), np.int32)
+
+
+__all__ = ["HostSource", "HostTable", "PackedWindows", "in_order", "per_host_layout"]

@@ -99,8 +99,9 @@ def train_lm(
         opt_state = jax.jit(opt.init, out_shardings=repl)(params)
     else:
         opt_state = opt.init(params)
-    # per host: a background save's cross-process barriers could interleave with the steps'
-    # collectives in another order on each process (seen: a hang at the first save)
+    # per host: a background save's barriers are device collectives (orbax's sync_global_devices)
+    # issued from another thread, so they could interleave with the steps' collectives in
+    # another order on each process
     ckpt = Checkpointer(run_dir / "ckpt", max_to_keep=1, async_save=not per_host)
     start = 0
     restored = ckpt.restore(abstract_like({"params": params, "opt": opt_state}))
@@ -109,18 +110,19 @@ def train_lm(
         params, opt_state = state["params"], state["opt"]
     per_epoch = len(windows) // batch_size
 
-    def batch_at(step):
+    def batch_at(step, after):
         epoch, i = divmod(step, per_epoch)
         order = np.random.default_rng([tc.seed, epoch]).permutation(len(windows))
         picked = order[i * batch_size : (i + 1) * batch_size]
-        return windows.take(picked) if per_host else jnp.asarray(windows[picked])
+        # per host: gathered on the mesh once the previous step has run (`host_data.in_order`)
+        return windows.take(picked, after) if per_host else jnp.asarray(windows[picked])
 
     step_fn = _step_jit(tuple((training_compiler_options() or {}).items()), repl)
     log = []
     bar = tqdm(total=steps, initial=start, desc="target", disable=not progress, unit="step")
     loss = None
     for step in range(start, steps):
-        params, opt_state, loss = step_fn(cfg, opt, params, opt_state, batch_at(step))
+        params, opt_state, loss = step_fn(cfg, opt, params, opt_state, batch_at(step, loss))
         if step % tc.log_interval == 0 or step == steps - 1:
             lv = float(loss)
             log.append({"step": step, "loss": lv})
@@ -133,7 +135,7 @@ def train_lm(
     ckpt.close()
     if isinstance(heldout_token_lists, PackedWindows):
         n = min(len(heldout_token_lists), tc.max_eval_batches * batch_size)
-        hw = heldout_token_lists.take(np.arange(n))
+        hw = heldout_token_lists.take(np.arange(n), loss)
     elif heldout_token_lists:
         hw = jnp.asarray(
             pack_windows(heldout_token_lists, seq_len)[: tc.max_eval_batches * batch_size]

@@ -294,11 +294,14 @@ def data_shards(mesh, micro_batch: int) -> int:
     return 1
 
 
-def device_batch(mesh, source, mb: loader_lib.MicroBatch, pad_id: int) -> dict[str, jax.Array]:
+def device_batch(
+    mesh, source, mb: loader_lib.MicroBatch, pad_id: int, after=None
+) -> dict[str, jax.Array]:
     """Global [B, L, ...] arrays of micro-batch `mb`; each process reads only the rows of its
-    own devices (a source with its own `device_batch`, `host_data.HostSource`, gathers them)."""
+    own devices (a source with its own `device_batch`, `host_data.HostSource`, gathers them on
+    the mesh after the program that wrote `after`: `host_data.in_order`)."""
     if hasattr(source, "device_batch"):
-        return source.device_batch(mesh, mb, pad_id)
+        return source.device_batch(mesh, mb, pad_id, after)
     b, length = mb.shape
     local = parallel.batch_sharding(mesh, (b, length)).addressable_devices_indices_map((b, length))
     cache: dict[tuple, dict[str, np.ndarray]] = {}

@@ -251,8 +251,8 @@ class Trainer(TrainerSetup):
                 batch, self.base_key, np.int32(step), np.int32(micro),
                 self._loss_weights)  # fmt: skip
 
-    def _device_batch(self, source, mb: loader_lib.MicroBatch) -> dict[str, jax.Array]:
-        return steps_lib.device_batch(self.mesh, source, mb, self.cfg.pad_id)
+    def _device_batch(self, source, mb: loader_lib.MicroBatch, after=None) -> dict[str, jax.Array]:
+        return steps_lib.device_batch(self.mesh, source, mb, self.cfg.pad_id, after)
 
     def _init_accumulators(self, batch):
         grad_acc = self._zeros(self.trainable)
@@ -305,7 +305,8 @@ class Trainer(TrainerSetup):
             s = self.step
             micro = self.loader.micro_batches(s * cfg.global_batch_size)
             for a, mb in enumerate(micro):
-                batch = self._device_batch(self.train_source, mb)
+                # gathered after the last micro-step or update (each returns grad_acc)
+                batch = self._device_batch(self.train_source, mb, grad_acc)
                 if grad_acc is None:
                     grad_acc, metric_acc = self._init_accumulators(batch)
                 grad_acc, metric_acc = self._micro(
