@@ -125,3 +125,31 @@ def test_pipeline_batches_on_two_processes_are_the_one_process_batches(two_proce
     order, picked = hds.window_order(len(samples))
     windows = pack_windows([samples[i].input_ids for i in order], hds.SEQ_LEN)
     assert p0["windows"] == p1["windows"] == windows[picked].tolist()
+
+
+def test_the_batch_gathers_compile_to_one_all_reduce_and_no_permute():
+    """Both per-host gathers (the target's windows, the drafters' rows) on a 2 x 2 x 2 mesh:
+    one all-reduce each and no collective-permute (XLA's own lowering of `table[rows, cols]`
+    had two permutes, and two processes hung in them now and then)."""
+    import re
+
+    from dspark_jax.train import host_data
+
+    mesh = parallel.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    table = jax.device_put(np.arange(64 * 40, dtype=np.int32).reshape(64, 40),
+                           parallel.batch_sharding(mesh, (64, 40)))  # fmt: skip
+    mask = jax.device_put(np.ones((64, 40), np.uint8), table.sharding)
+    out = parallel.batch_sharding(mesh, (8, 17))
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 64, (8, 17)).astype(np.int32)
+    cols = rng.integers(0, 40, (8, 17)).astype(np.int32)
+    after = np.zeros((), np.int32)
+    windows = host_data._windows_program(table.sharding, out)
+    np.testing.assert_array_equal(np.asarray(windows(table, rows, cols, after)),
+                                  np.asarray(table)[rows, cols])  # fmt: skip
+    rows_fn = host_data._rows_program(17, table.sharding, out)
+    rows_args = (table, mask, rows[:, 0], np.full(8, 17, np.int32), np.int32(0), after)
+    for fn, args in ((windows, (table, rows, cols, after)), (rows_fn, rows_args)):
+        hlo = fn.lower(*args).compile().as_text()
+        assert len(re.findall(r"all-reduce(-start)?\(", hlo)) == 1
+        assert "collective-permute" not in hlo

@@ -163,8 +163,8 @@ def _rows_program(length: int, table_sharding, sharding):
         r = jnp.broadcast_to(jnp.maximum(rows_B, 0)[:, None], (rows_B.shape[0], length))
         cols = jnp.broadcast_to(jnp.minimum(jnp.arange(length), w - 1), r.shape)
         real_BxL = jnp.arange(length)[None, :] < lens_B[:, None]
-        ids = jnp.where(real_BxL, _elements(table_sharding, ids_NxW, r, cols), pad_id)
-        loss = jnp.where(real_BxL, _elements(table_sharding, mask_NxW, r, cols), 0)
+        ids, loss = _elements(table_sharding, (ids_NxW, mask_NxW), r, cols)
+        ids, loss = jnp.where(real_BxL, ids, pad_id), jnp.where(real_BxL, loss, 0)
         return ids.astype(jnp.int32), loss.astype(jnp.uint8), real_BxL.astype(jnp.uint8)
 
     return jax.jit(rows_BxL, out_shardings=(sharding, sharding, sharding), keep_unused=True)
@@ -212,32 +212,34 @@ class PackedWindows:
 @functools.cache
 def _windows_program(table_sharding, sharding):
     def windows(ids_NxW, rows, cols, after):
-        return _elements(table_sharding, ids_NxW, rows, cols)
+        return _elements(table_sharding, (ids_NxW,), rows, cols)[0]
 
     return jax.jit(windows, out_shardings=sharding, keep_unused=True)
 
 
-def _elements(table_sharding, table_NxW, rows, cols):
-    """`table[rows, cols]` (`rows`, `cols` of one shape) of a table whose rows are sharded over
-    the mesh (`table_sharding`): each device reads the rows it holds (0 elsewhere) and one sum
-    over the row-sharding axes assembles the values. One all-reduce and no collective-permute:
-    XLA:CPU's own lowering of this gather (two permutes and an all-reduce) hung now and then
-    between two processes (a permute waiting on a device already in the next all-reduce)."""
+def _elements(table_sharding, tables, rows, cols) -> tuple:
+    """`t[rows, cols]` of each table `t` in `tables` (tables of one shape whose rows are sharded
+    over the mesh as `table_sharding`; `rows`, `cols` of one shape): each device reads the rows
+    it holds (0 elsewhere) and one sum over the row-sharding axes assembles the values. One
+    all-reduce and no collective-permute: XLA:CPU's own lowering of this gather (two permutes
+    and an all-reduce) hung now and then between two processes (a permute waiting on a device
+    already in the next all-reduce)."""
     d0 = table_sharding.spec[0] if len(table_sharding.spec) else None
     axes = () if d0 is None else (d0,) if isinstance(d0, str) else tuple(d0)
     if not axes:
-        return table_NxW[rows, cols]
+        return tuple(t[rows, cols] for t in tables)
 
-    def local(t, r, c):
-        n = t.shape[0]
+    def local(ts, r, c):
+        n = ts[0].shape[0]
         lo = jax.lax.axis_index(axes) * n
         mine = (r >= lo) & (r < lo + n)
-        v = jnp.where(mine, t[jnp.clip(r - lo, 0, n - 1), c], 0).astype(jnp.int32)
-        return jax.lax.psum(v, axes).astype(t.dtype)
+        i = jnp.clip(r - lo, 0, n - 1)
+        vs = tuple(jnp.where(mine, t[i, c], 0).astype(jnp.int32) for t in ts)
+        return tuple(v.astype(t.dtype) for v, t in zip(jax.lax.psum(vs, axes), ts))
 
     spec = jax.sharding.PartitionSpec
     return jax.shard_map(local, mesh=table_sharding.mesh, in_specs=(spec(axes), spec(), spec()),
-                         out_specs=spec())(table_NxW, rows, cols)  # fmt: skip
+                         out_specs=spec())(tuple(tables), rows, cols)  # fmt: skip
 
 
 def in_order(after) -> jax.Array | np.ndarray:
