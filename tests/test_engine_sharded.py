@@ -78,6 +78,32 @@ def test_sharded_engine_greedy_equals_one_device(pair, reference, shape):
     assert sh.spec == parallel.cache_shardings(eng.programs.state.cache, mesh).k[0].spec
 
 
+def test_paged_engine_on_a_mesh_equals_one_device(pair, reference):
+    """kv_layout="paged" on a 2 x 2 x 2 mesh: the target's and the drafter's page pools with
+    their K/V heads over "tensor", the rows over ("data", "fsdp"); a pool of 12 pages of 8 forces
+    preemptions by recompute. Greedy tokens equal the one-device slot engine's, no retrace after
+    warm-up, every page free at the end."""
+    tcfg, tp, dcfg, dp = pair
+    mesh = parallel.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    eng = ServingEngine(tcfg, dcfg, tp, dp, mesh=mesh, kv_layout="paged", page_size=8,
+                        num_pages=12, **KW)  # fmt: skip
+    state = eng.programs.state
+    pool_spec = jax.sharding.PartitionSpec(None, None, "tensor", None)
+    assert state.cache.k[0].sharding.spec == pool_spec
+    assert jax.tree.leaves(state.ctx.k)[0].sharding.spec == pool_spec
+    assert state.anchor.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+    eng.warmup()
+    with CompileCounter() as cc:
+        outs = _run(eng)
+    assert cc.count == 0, cc.names
+    assert eng.page_pool.preemptions > 0
+    for o, ref in zip(outs, reference):
+        assert o.tokens == ref.tokens
+    assert eng.programs.state.cache.k[0].sharding.spec == pool_spec
+    eng.page_pool.check()
+    assert eng.page_pool.used_pages == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
 def test_sharded_engine_other_drafters(kind):

@@ -98,10 +98,13 @@ def test_calibrate_and_evaluate_on_two_processes_give_the_one_process_report(req
 
 @pytest.mark.slow
 def test_serve_on_two_processes_gives_the_one_device_tokens(request, tmp_path):
+    """The paged engine (its pools' K/V heads over the two processes' tensor axis) behind the
+    HTTP server on process 0; the tokens equal a one-device slot engine's."""
     run = request.getfixturevalue("one_device_run")
     http = free_port()
     args = ["serve", "--run-dir", str(run), "--mesh", "1,2,2", "--port", str(http),
-            "--num-slots", "2", "--max-len", "128", "--policy", "fixed", "--log-level", "info"]  # fmt: skip
+            "--num-slots", "2", "--max-len", "128", "--policy", "fixed", "--log-level", "info",
+            "--kv-layout", "paged", "--page-size", "8"]  # fmt: skip
     procs, logs = _launch("serve.py", args, free_port(), tmp_path)
     url = f"http://127.0.0.1:{http}"
     jobs = [([5, 6, 7, 8, 9, 10], 24, dict(temperature=0.8, top_p=0.9, seed=7)),

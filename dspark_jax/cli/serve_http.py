@@ -66,7 +66,7 @@ def add_subcommands(sub) -> None:
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     s.add_argument("--kv-layout", default="slots", choices=("slots", "paged"),
                    help="paged: K/V in a pool of pages, admission by free pages, preemption by "
-                        "recompute (one device for now)")  # fmt: skip
+                        "recompute (on one device or a --mesh)")  # fmt: skip
     s.add_argument("--page-size", type=int, default=16, help="with --kv-layout paged")
     s.add_argument("--num-pages", type=int, default=0,
                    help="with --kv-layout paged (0: as many positions as --num-slots x --max-len)")  # fmt: skip

@@ -143,11 +143,16 @@ def paged_verify(tcfg, dcfg, num_tokens, tparams, state, lengths_N, active_N, ta
     slot, off, valid, starts = pack_indices(lengths_N, active_N, num_tokens)
     drafts = state.prop_tokens[slot, jnp.clip(off - 1, 0, g - 1)]
     toks = jnp.where(off == 0, state.anchor[slot], drafts)
-    n_tok = jnp.where(active_N, lengths_N + 1, 0).astype(jnp.int32)
+    # The attention's rows: a bucket of T tokens holds at most T requests of at most T tokens
+    # each, so the active slots (first, in slot order: the bucket's order) fill R = min(N, T)
+    # rows of min(γ + 1, T) queries; small buckets attend over R rows, not N.
+    rows = min(lengths_N.shape[0], num_tokens)
+    order = jnp.argsort(jnp.logical_not(active_N), stable=True)[:rows]
+    n_tok = jnp.where(active_N, lengths_N + 1, 0).astype(jnp.int32)[order]
     cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_tok).astype(jnp.int32)])
-    kv_lens = jnp.where(active_N, state.pos + n_tok, 0).astype(jnp.int32)
-    out, c = paged_forward(tcfg, tparams, toks, cu, kv_lens, tables, state.cache,
-                           q_per_req=g + 1, write=write)  # fmt: skip
+    kv_lens = jnp.where(n_tok > 0, state.pos[order] + n_tok, 0).astype(jnp.int32)
+    out, c = paged_forward(tcfg, tparams, toks, cu, kv_lens, tables[order], state.cache,
+                           q_per_req=min(g + 1, num_tokens), write=write)  # fmt: skip
     idx = jnp.clip(starts[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :], 0, num_tokens - 1)
     return out.logits[0][idx], out.features[0][idx], c
 

@@ -27,14 +27,11 @@ import numpy as np
 from dspark_jax.engine import paged_device as pdev
 from dspark_jax.engine.config import sampling_rows
 from dspark_jax.engine.device import PrefillInputs
-from dspark_jax.engine.flat import flat_jit
 from dspark_jax.engine.pages import PagePool
-from dspark_jax.engine.programs import EnginePrograms
+from dspark_jax.engine.programs import EnginePrograms, _jitted
 from dspark_jax.engine.requests import RequestParams
 from dspark_jax.engine.slots import Request, SlotTable
 from dspark_jax.engine.stepping import RoundRunner
-from dspark_jax.errors import ConfigError
-from dspark_jax.xla_cpu import engine_compiler_options
 
 
 def _width(cache_len: int, page: int) -> int:
@@ -45,8 +42,6 @@ class PagedPrograms(EnginePrograms):
     """The engine's programs on page pools; `tables_fn(width)` -> [N, width] int32 tables."""
 
     def __init__(self, tcfg, dcfg, tparams, dparams, config, mesh=None):
-        if mesh is not None:
-            raise ConfigError("kv_layout='paged' runs on one device (mesh=None) for now")
         self.tables_fn = lambda width: np.zeros((config.num_slots, width), np.int32)
         super().__init__(tcfg, dcfg, tparams, dparams, config, mesh)
         self.one_set = True  # the paged forward writes then reads (one key set) always
@@ -55,13 +50,15 @@ class PagedPrograms(EnginePrograms):
         tcfg, dcfg, c = self.tcfg, self.dcfg, self.config
         return lambda: pdev.init_paged_state(tcfg, dcfg, c.num_slots, c.num_pages, c.page_size)
 
+    def _state_shardings(self, abstract_state, mesh):
+        from dspark_jax.engine.sharding import paged_state_shardings
+
+        return paged_state_shardings(abstract_state, mesh)
+
     def _jit_programs(self, state_sh, repl):
-        kw = dict(static_argnums=(0,), donate_argnums=(3,),
-                  compiler_options=engine_compiler_options())  # fmt: skip
         from dspark_jax.engine.paged_rounds import paged_rounds
 
-        return (flat_jit(pdev.paged_prefill_chunk, **kw), flat_jit(pdev.paged_round, **kw),
-                flat_jit(paged_rounds, **kw))  # fmt: skip
+        return _jitted(state_sh, repl, (pdev.paged_prefill_chunk, pdev.paged_round, paged_rounds))
 
     def round(self, state, inputs, *, mode: str, num_tokens: int, cache_len: int):
         """(state, RoundOut) after one round; `inputs` a `device.RoundInputs`, the tables added

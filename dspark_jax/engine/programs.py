@@ -54,9 +54,12 @@ def _created(fn, sharding):
     return jax.jit(fn, out_shardings=sharding)()
 
 
-def _jitted(state_sharding, replicated):
+def _jitted(state_sharding, replicated, fns=None):
     """(prefill, round, rounds) jitted with the engine's XLA:CPU option (read for each, in that
-    order); on a mesh their outputs pinned to the state's shardings (the rest replicated)."""
+    order); on a mesh their outputs pinned to the state's shardings (the rest replicated).
+    `fns`: the three functions (default: the slot layout's)."""
+    prefill, round_, rounds = fns or (dev.prefill_chunk, dev.packed_round,
+                                      rounds_lib.packed_rounds)  # fmt: skip
 
     def kw(n_replicated):
         opts = engine_compiler_options()
@@ -67,9 +70,9 @@ def _jitted(state_sharding, replicated):
 
     common = dict(static_argnums=(0,), donate_argnums=(3,))
     return (
-        flat_jit(dev.prefill_chunk, **common, **kw(2)),
-        flat_jit(dev.packed_round, **common, **kw(1)),
-        flat_jit(rounds_lib.packed_rounds, **common, **kw(1)),
+        flat_jit(prefill, **common, **kw(2)),
+        flat_jit(round_, **common, **kw(1)),
+        flat_jit(rounds, **common, **kw(1)),
     )
 
 
@@ -84,10 +87,10 @@ class EnginePrograms:
             state_sh = repl = jax.sharding.SingleDeviceSharding(_default_device())
         else:
             from dspark_jax import parallel
-            from dspark_jax.engine.sharding import place_params, state_shardings
+            from dspark_jax.engine.sharding import place_params
 
             tparams, dparams = place_params(tparams, mesh), place_params(dparams, mesh)
-            state_sh = state_shardings(jax.eval_shape(init), mesh)
+            state_sh = self._state_shardings(jax.eval_shape(init), mesh)
             repl = parallel.replicated(mesh)
         self.tparams, self.dparams = tparams, dparams
         self._state_sh = state_sh
@@ -110,6 +113,12 @@ class EnginePrograms:
         """The function that creates the state (a subclass's layout overrides it)."""
         tcfg, dcfg, c = self.tcfg, self.dcfg, self.config
         return lambda: dev.init_state(tcfg, dcfg, c.num_slots, c.max_len)
+
+    def _state_shardings(self, abstract_state, mesh):
+        """The state's NamedShardings on `mesh` (a subclass's layout overrides it)."""
+        from dspark_jax.engine.sharding import state_shardings
+
+        return state_shardings(abstract_state, mesh)
 
     def _jit_programs(self, state_sh, repl):
         """(prefill, round, rounds), jitted (a subclass's layout overrides it)."""

@@ -78,6 +78,30 @@ def state_shardings(state, mesh: Mesh):
     )
 
 
+def paged_state_shardings(state, mesh: Mesh):
+    """A `paged_device.PagedState`-shaped tree of NamedShardings: every page pool [P, page, n_kv,
+    d] (the target's and the drafter's) with its K/V heads over "tensor" and its pages on every
+    device of a tensor group (any row's table may name any page), the per-row fields as the slot
+    state's (rows over ("data", "fsdp"))."""
+    pool = lambda a: _named(mesh, (None, None, "kv_heads", "head_dim"), a.shape)
+
+    def rows(x, *rest):
+        return _named(mesh, ("batch",) + rest + (None,) * (len(x.shape) - 1 - len(rest)), x.shape)
+
+    ctx = state.ctx
+    pools = lambda x: jax.tree.map(pool, x)
+    return type(state)(
+        cache=type(state.cache)(pools(state.cache.k), pools(state.cache.v)),
+        ctx=type(ctx)(pools(ctx.k), pools(ctx.v), _context_shardings(ctx.rows, mesh)),
+        pos=rows(state.pos),
+        anchor=rows(state.anchor),
+        rounds=rows(state.rounds),
+        prop_tokens=rows(state.prop_tokens),
+        prop_probs=rows(state.prop_probs, None, "vocab"),
+        prop_conf=rows(state.prop_conf),
+    )
+
+
 def place_params(params, mesh: Mesh):
     """Target params (`nnx.State`) or `DrafterParams` (a NamedTuple of them) on `mesh`."""
     if isinstance(params, tuple) and hasattr(params, "_fields"):
