@@ -53,3 +53,44 @@ def _release_compiled_programs_near_the_map_limit():
         import jax
 
         jax.clear_caches()
+
+
+_XLA = {"compile_s": 0.0, "compilations": 0, "from_cache": 0}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache_and_tally():
+    """The persistent compilation cache when DSPARK_COMPILATION_CACHE names a directory (CI sets
+    one for all its steps: the suite's six pytest processes and the subprocesses they start
+    compile many of the same programs, half the suite's time was compiling them); a tally of
+    the session's compilations for its summary line."""
+    from jax import monitoring
+
+    from dspark_jax.engine.compiles import CACHE_HIT_EVENT, COMPILE_EVENT
+    from dspark_jax.runtime import CACHE_ENV, enable_compilation_cache
+
+    if os.environ.get(CACHE_ENV):
+        enable_compilation_cache()
+
+    def duration(event, duration_secs=None, **kw):
+        if event == COMPILE_EVENT:
+            _XLA["compile_s"] += duration_secs or 0.0
+            _XLA["compilations"] += 1
+
+    def hit(event, **kw):
+        if event == CACHE_HIT_EVENT:
+            _XLA["from_cache"] += 1
+
+    monitoring.register_event_duration_secs_listener(duration)
+    monitoring.register_event_listener(hit)
+    yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    import jax
+
+    where = jax.config.jax_compilation_cache_dir or "off"
+    terminalreporter.write_line(
+        f"XLA: {_XLA['compilations']} compilations ({_XLA['from_cache']} read from the "
+        f"compilation cache: {where}), {_XLA['compile_s']:.0f} s compiling"
+    )
