@@ -165,3 +165,60 @@ def test_4b_preset_fits_8xh100_and_the_old_numbers_do_not():
     assert not plan.fits
     with pytest.raises(ConfigError, match="set TrainConfig.micro_batch_size="):
         memory.check_memory(old, plan, mesh, dcfg.target, dcfg)
+
+
+_POD_PLAN = """
+import json, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import dataclasses
+import jax
+import configs.qwen3_4b_dspark_v5e256 as preset
+from dspark_jax.config import MeshConfig
+from dspark_jax.errors import ConfigError
+from dspark_jax.train import memory
+from test_memory import _plan_4b
+
+assert jax.device_count() == 256
+pc = preset.config()
+cfg = pc.drafters.train_config(seed=0).replace(device_memory_gib=preset.DEVICE_MEMORY_GIB)
+out = {{"accum_steps": cfg.accum_steps}}
+for kind in pc.drafters.kinds:
+    plan, _ = _plan_4b(cfg, kind, pc.mesh)
+    out[kind] = dict(plan.to_json(), fits=plan.fits, summary=plan.summary())
+narrow = dataclasses.replace(pc.mesh, fsdp=16, tensor=4)
+plan, (dcfg, mesh) = _plan_4b(cfg, "eagle3", narrow)
+try:
+    memory.check_memory(cfg, plan, mesh, dcfg.target, dcfg)
+except ConfigError as e:
+    out["eagle3_tensor4"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_v5e256_preset_fits_16_gib_per_chip_for_every_drafter(tmp_path):
+    """The pod preset's plan on 256 simulated devices (a subprocess: this session has 8): all
+    three drafters fit 16 GiB per chip; at tensor 4 Eagle3 is refused, naming the fix."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "plan.py"
+    script.write_text(_POD_PLAN.format(root=str(root), tests=str(root / "tests")))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=256")  # fmt: skip
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["accum_steps"] == 16
+    for kind in ("dspark", "dflash", "eagle3"):
+        plan = out[kind]
+        print(kind, plan["summary"])
+        assert plan["fits"] and plan["limit"] == 16 * memory.GIB, plan["summary"]
+        assert plan["local_batch"] == 1 and plan["seq_len"] == 4096
+    assert out["eagle3"]["total"] > 8 * memory.GIB  # Eagle3 is what sets tensor = 8
+    assert "eagle3_tensor4" in out and "micro_batch_size" not in out["eagle3_tensor4"]
+    print(out["eagle3_tensor4"])
