@@ -187,3 +187,60 @@ def test_eagle3_sampled_follows_target_law():
     for c, lw in ((counts, law), (counts.sum(1), law.sum(1))):
         chi = _chisquare(c, lw)
         assert chi.pvalue > 1e-3, chi
+
+
+@pytest.mark.slow
+def test_gemma4_sampled_follows_target_law_and_rejects_biased_policy():
+    """A Gemma 4 target (every feature of tests/test_gemma4_engine.py's config, a sliding window
+    of 2 shorter than the 5-token sequences, soft-capped logits) through the slot engine at
+    T = 1 with Algorithm 1: chi-square of (t2, t3) against its exact law; the biased policy is
+    caught by the same test."""
+    import dataclasses
+
+    from dspark_jax.config import TargetConfig
+    from dspark_jax.testing import random_params
+    from tests.engine_models import markov_drafter
+    from tests.test_gemma4_engine import gemma_config
+
+    base = gemma_config(sliding_window=2)
+    v = 8
+    tcfg = dataclasses.replace(
+        base, vocab_size=v, gemma=dataclasses.replace(base.gemma, vocab_size_per_layer_input=v)
+    )
+    tp = random_params(tcfg, 3)
+    # a Qwen3-shaped drafter reading the Gemma target's features (as tests/test_gemma4_engine.py)
+    fields = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+              "head_dim", "rope_theta", "tie_word_embeddings", "max_position_embeddings",
+              "target_layer_ids", "dtype")  # fmt: skip
+    stand_in = TargetConfig(vocab_size=v, **{f: getattr(tcfg, f) for f in fields})
+    perm = np.random.default_rng(0).permutation(v)
+    dcfg, dp = markov_drafter(stand_in, tp, perm, 2, 1.5, 0)  # peaked drafts: the bias shows
+    prompt = [1, 2, 3]
+    law = _exact_pair_law(tcfg, tp, prompt)
+    assert law.max() < 0.5  # a law worth testing, not one token
+    eng = ServingEngine(
+        tcfg, dcfg, tp, dp, num_slots=16, max_len=32, prompt_buckets=(8,),
+        token_buckets=(16, 24, 48), modes=("sampled",), policy="alg1",
+        cost_profile=CostProfile.from_step_time(1.0, 0.003, max_tokens=64),
+    )  # fmt: skip
+    eng.warmup()
+    n = 6000
+
+    def run(seed0):
+        outs = eng.generate(
+            [prompt] * n, [RequestParams(3, temperature=1.0, seed=seed0 + i) for i in range(n)]
+        )
+        counts = np.zeros_like(law)
+        for o in outs:
+            counts[o.tokens[1], o.tokens[2]] += 1
+        return counts, outs
+
+    counts, outs = run(0)
+    assert sum(sum(o.num_accepted) for o in outs) > n // 10, "drafts must be accepted"
+    for c, lw in ((counts, law), (counts.sum(1), law.sum(1))):
+        chi = _chisquare(c, lw)
+        assert chi.pvalue > 1e-3, chi
+    eng.set_policy(UnlikelyOnly(eng))
+    bad, _ = run(10**6)
+    chi_bad = min(_chisquare(c, lw).pvalue for c, lw in ((bad, law), (bad.sum(1), law.sum(1))))
+    assert chi_bad < 1e-6, chi_bad
