@@ -239,9 +239,40 @@ def enable_compilation_cache(environ: Mapping[str, str] | None = None) -> Path |
         d.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None  # a read-only home: run without the cache rather than fail
+    drop_unfinished_entries(d)
     jax.config.update("jax_compilation_cache_dir", str(d))
     # small models compile in well under the default 1 s threshold, and those are the programs
     # a CPU run recompiles most
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_compilation_cache_max_size", MAX_CACHE_BYTES)
     return d
+
+
+_ENTRY, _ATIME = "-cache", "-atime"  # JAX's LRU cache: <key>-cache, then <key>-atime
+
+
+def drop_unfinished_entries(d: Path) -> list[str]:
+    """Delete the cache entries whose write was interrupted (a process killed while writing it);
+    returns their keys. JAX's LRU cache (on whenever a size limit is set, as here) writes an
+    entry's `-cache` file, then its `-atime` file, under its directory's lock, and never
+    overwrites an entry: a truncated one would fail to load, warn and be recompiled on every
+    start. An entry without its `-atime` file is such an interrupted write; JAX's own lock is
+    held while looking, so no live writer is caught halfway."""
+    try:
+        import filelock
+
+        lock = filelock.FileLock(str(d / ".lockfile"))
+        lock.acquire(timeout=10)
+    except Exception:  # noqa: BLE001 (no filelock, a lock we cannot take: leave the cache be)
+        return []
+    try:
+        names = {p.name for p in d.iterdir()}
+        dropped = [n[: -len(_ENTRY)] for n in names
+                   if n.endswith(_ENTRY) and n[: -len(_ENTRY)] + _ATIME not in names]  # fmt: skip
+        for key in dropped:
+            (d / (key + _ENTRY)).unlink(missing_ok=True)
+        return dropped
+    except OSError:
+        return []
+    finally:
+        lock.release()

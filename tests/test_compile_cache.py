@@ -49,3 +49,28 @@ def test_a_second_process_reads_the_cache(tmp_path):
     ]
     assert Path(runs[0][0]) == tmp_path / "xla" and any((tmp_path / "xla").iterdir())
     assert runs[0][1] == "0" and int(runs[1][1]) >= 1  # the second process hit the cache
+
+
+def test_an_entry_cut_short_by_a_kill_is_dropped_and_written_again(tmp_path):
+    """A process killed while JAX wrote a cache entry leaves it truncated and without its
+    `-atime` file; JAX never overwrites an entry, so it would fail to load on every start. The
+    next start drops it (`runtime.drop_unfinished_entries`), compiles and writes it whole; the
+    start after that reads it."""
+    cache = tmp_path / "xla"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{ENV: str(cache)})
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+                             text=True, timeout=120, check=True)  # fmt: skip
+        return int(out.stdout.split()[1]), out.stderr
+
+    assert run()[0] == 0
+    entries = sorted(cache.glob("*-cache"))
+    assert entries
+    for e in entries:  # what a kill mid-write leaves: half the bytes, no -atime
+        e.write_bytes(e.read_bytes()[: e.stat().st_size // 2])
+        (cache / (e.name[: -len("-cache")] + "-atime")).unlink()
+    hits, err = run()
+    assert hits == 0 and "Error" not in err  # dropped at start, not read
+    assert run()[0] >= 1
