@@ -70,6 +70,9 @@ def add_subcommands(sub) -> None:
     s.add_argument("--page-size", type=int, default=16, help="with --kv-layout paged")
     s.add_argument("--num-pages", type=int, default=0,
                    help="with --kv-layout paged (0: as many positions as --num-slots x --max-len)")  # fmt: skip
+    s.add_argument("--device-memory-gib", type=float, default=0.0,
+                   help="the devices' memory for the engine's plan (0: as they report; CPUs "
+                        "report none); an engine that cannot fit is refused before loading")  # fmt: skip
     s.add_argument("--prefill-tokens-per-step", type=int, default=0,
                    help="prompt tokens prefilled per engine step (whole 512-token chunks, at "
                         "least one; 0: no bound): a long prompt is prefilled over several "
@@ -279,7 +282,9 @@ def build_engine(args):
         sts=sts, max_queue=args.max_queue, root_seed=args.seed, mesh=mesh_from_flag(args.mesh),
         kv_layout=args.kv_layout, page_size=args.page_size, num_pages=args.num_pages,
         prefill_tokens_per_step=args.prefill_tokens_per_step,
+        device_memory_gib=args.device_memory_gib,
     )  # fmt: skip
+    log.info("%s", engine.memory_plan.summary())
     log.info("loaded %s (drafter %s, γ=%d, policy %s) in %.1f s",
              name, dcfg.kind, dcfg.block_size, policy, time.perf_counter() - t0)  # fmt: skip
     return engine, tok, stop_ids, args.model_name or name

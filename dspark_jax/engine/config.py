@@ -55,6 +55,8 @@ class EngineConfig:
     # prompt tokens prefilled per step (0: no bound); whole chunks of prompt_buckets[-1], at
     # least one per step, so a long prompt is prefilled over several steps between rounds
     prefill_tokens_per_step: int = 0
+    # the devices' memory for the engine's plan (`engine.memory`); 0: what they report
+    device_memory_gib: float = 0.0
 
     @classmethod
     def build(
@@ -75,6 +77,7 @@ class EngineConfig:
         page_size: int = 16,
         num_pages: int = 0,
         prefill_tokens_per_step: int = 0,
+        device_memory_gib: float = 0.0,
     ) -> EngineConfig:
         """Checked against the target (ConfigError) and with every bucket tuple resolved."""
         if num_slots < 1 or max_len < 2:
@@ -94,6 +97,10 @@ class EngineConfig:
             raise ConfigError(f"modes must be a non-empty subset of {MODES}: {modes}")
         if kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+        if not device_memory_gib >= 0:
+            raise ConfigError(
+                f"device_memory_gib must be >= 0 (0: as reported), got {device_memory_gib!r}"
+            )
         if page_size < 1 or num_pages < 0:
             raise ConfigError(f"page_size ({page_size}) must be >= 1 and num_pages >= 0")
         if not (isinstance(prefill_tokens_per_step, int) and prefill_tokens_per_step >= 0):
@@ -120,6 +127,7 @@ class EngineConfig:
             page_size=page_size,
             num_pages=num_pages,
             prefill_tokens_per_step=prefill_tokens_per_step,
+            device_memory_gib=float(device_memory_gib),
         )
 
     def for_models(self, tcfg, dcfg) -> EngineConfig:

@@ -36,6 +36,7 @@ from dspark_jax.engine import rounds as rounds_lib
 from dspark_jax.engine.config import SAMPLING, EngineConfig, sampling_rows
 from dspark_jax.engine.device import PrefillInputs, PrefillSpec, RoundInputs, RoundSpec
 from dspark_jax.engine.flat import FlatParams, flat_jit
+from dspark_jax.engine.memory import check_engine_memory, plan_engine_memory
 from dspark_jax.engine.requests import RequestParams
 from dspark_jax.engine.rounds import RoundsInputs, RoundsSpec
 from dspark_jax.xla_cpu import engine_compiler_options
@@ -82,16 +83,22 @@ class EnginePrograms:
     def __init__(self, tcfg, dcfg, tparams, dparams, config: EngineConfig, mesh=None):
         self.tcfg, self.dcfg, self.config, self.mesh = tcfg, dcfg, config, mesh
         self._init = init = self._state_init()
-
+        abstract = jax.eval_shape(init)
         if mesh is None:
             state_sh = repl = jax.sharding.SingleDeviceSharding(_default_device())
         else:
             from dspark_jax import parallel
+
+            state_sh = self._state_shardings(abstract, mesh)
+            repl = parallel.replicated(mesh)
+        # planned (and refused when it cannot fit) before anything is placed or created
+        self.memory_plan = plan_engine_memory(tcfg, config, tparams, dparams, abstract, state_sh,
+                                              mesh)  # fmt: skip
+        check_engine_memory(self.memory_plan, config)
+        if mesh is not None:
             from dspark_jax.engine.sharding import place_params
 
             tparams, dparams = place_params(tparams, mesh), place_params(dparams, mesh)
-            state_sh = self._state_shardings(jax.eval_shape(init), mesh)
-            repl = parallel.replicated(mesh)
         self.tparams, self.dparams = tparams, dparams
         self._state_sh = state_sh
         self.state: dev.SlotState = _created(init, state_sh)

@@ -100,8 +100,8 @@ class ServingEngine:
                  **config_kw):  # fmt: skip
         """`config_kw` (without `config`): `EngineConfig.build`'s keywords (num_slots, max_len,
         prompt_buckets, token_buckets, cache_buckets, modes, rounds_per_call, max_queue,
-        root_seed, kv_layout, page_size, num_pages, prefill_tokens_per_step). `policy` .. `sts`:
-        the Scheduler's (`set_policy` swaps it). `context_window`: the drafter's context window
+        root_seed, kv_layout, page_size, num_pages, prefill_tokens_per_step, device_memory_gib).
+        `policy` .. `sts`: the Scheduler's (`set_policy` swaps it). `context_window`: the drafter's context window
         at serving time (None: as trained; it may narrow the trained one, never widen it,
         `drafters.api.narrow_context_window`)."""
         dcfg = narrow_context_window(dcfg, context_window)
@@ -164,6 +164,12 @@ class ServingEngine:
     token_buckets = property(lambda self: self.config.token_buckets)
     cache_buckets = property(lambda self: self.config.cache_buckets)
     prompt_buckets = property(lambda self: self.config.prompt_buckets)
+
+    @property
+    def memory_plan(self):
+        """Bytes per device (`engine.memory.EngineMemoryPlan`), planned before the state was
+        created; an engine whose plan cannot fit its devices is refused (ConfigError)."""
+        return self.programs.memory_plan
 
     @property
     def compilations(self) -> int:

@@ -1,0 +1,142 @@
+"""The serving engine's memory per device, planned before its state is created.
+
+    plan = plan_engine_memory(programs_args...)      # EnginePrograms does this
+    plan.summary()   # "engine memory per device: params .., target KV .., drafter KV .., ..."
+    check_engine_memory(plan, config)                # ConfigError naming the knobs to lower
+
+Exact for what the engine holds: the target's and the drafter's parameters and the state (the
+target K/V: slots or page pools; the drafter's context K/V; the per-slot rows, whose pending
+draft distributions [N, γ, V] grow with the vocabulary), each as one device holds it under the
+shardings the programs place it with. Estimated for the transients of the largest call (its
+logits and their sampling buffers, fp32, over the largest token bucket or prefill chunk, split
+over "tensor" with the vocabulary). The limit is `device_memory_gib` when set, else what the
+devices report (none on CPU: printed, never refused), with the trainer's headroom.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from dspark_jax.errors import ConfigError
+from dspark_jax.train.memory import GIB, HEADROOM, _gib, sharded_bytes
+
+_LOGIT_BUFFERS = 3  # logits, probabilities, and the sort / filter buffer of the filtered mode
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMemoryPlan:
+    params: int
+    target_kv: int
+    drafter_kv: int
+    rows: int
+    activations: int
+    limit: int | None
+
+    @property
+    def total(self) -> int:
+        return self.params + self.target_kv + self.drafter_kv + self.rows + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.limit is None or self.total <= HEADROOM * self.limit
+
+    def parts(self) -> str:
+        return (
+            f"params {_gib(self.params)}, target KV {_gib(self.target_kv)}, drafter KV "
+            f"{_gib(self.drafter_kv)}, slot rows {_gib(self.rows)}, largest call "
+            f"~{_gib(self.activations)}"
+        )
+
+    def summary(self) -> str:
+        lim = "(no device memory limit reported)"
+        if self.limit is not None:
+            lim = f"of {_gib(self.limit)} ({HEADROOM:.0%} usable)"
+        return f"engine memory per device: {self.parts()}; total {_gib(self.total)} {lim}"
+
+
+def _bytes(tree, shardings) -> int:
+    """One device's bytes of `tree` (arrays or ShapeDtypeStructs) under `shardings` (a tree
+    like it, or one sharding for every leaf)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+    return sharded_bytes(tree, shardings)
+
+
+def _param_bytes(params, mesh, seen: set | None = None) -> int:
+    """One device's bytes of target or drafter params; on one device an array the drafter
+    shares with the target (`seen`) counts once, on a mesh each tree is placed on its own."""
+    if isinstance(params, tuple):  # (target, drafter) or DrafterParams
+        return sum(_param_bytes(p, mesh, seen) for p in params)
+    if mesh is None:
+        seen = set() if seen is None else seen
+        total = 0
+        for x in jax.tree.leaves(params):
+            if id(x) not in seen:
+                seen.add(id(x))
+                total += math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        return total
+    from dspark_jax import parallel
+
+    return sharded_bytes(params, parallel.param_shardings(params, mesh))
+
+
+def device_limit(mesh, device_memory_gib: float) -> int | None:
+    """`device_memory_gib` when > 0, else the smallest `bytes_limit` of the local devices the
+    engine runs on (None when they report none, as on CPU)."""
+    if device_memory_gib > 0:
+        return int(device_memory_gib * GIB)
+    devices = jax.local_devices()[:1] if mesh is None else mesh.local_devices
+    limits = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 (backends without the query)
+            stats = None
+        if stats and stats.get("bytes_limit"):
+            limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
+
+
+def plan_engine_memory(tcfg, config, tparams, dparams, abstract_state, state_shardings, mesh):
+    """The plan of an engine with `config` (`abstract_state`: `jax.eval_shape` of its state;
+    `state_shardings`: a tree like it or one sharding)."""
+    sh = state_shardings
+    if isinstance(sh, jax.sharding.Sharding):
+        sh = jax.tree.map(lambda _: state_shardings, abstract_state)
+    st = abstract_state
+    target_kv = _bytes(st.cache, sh.cache)
+    drafter_kv = _bytes((st.ctx.k, st.ctx.v), (sh.ctx.k, sh.ctx.v))
+    rows = _bytes(st, sh) - target_kv - drafter_kv
+    tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+    width = max(
+        max(config.token_buckets), max(config.prompt_buckets), config.num_slots * config.gamma
+    )
+    vocab = tcfg.vocab_size // tensor if tcfg.vocab_size % tensor == 0 else tcfg.vocab_size
+    activations = _LOGIT_BUFFERS * width * vocab * 4
+    return EngineMemoryPlan(
+        params=_param_bytes((tparams, dparams), mesh, set()),
+        target_kv=target_kv,
+        drafter_kv=drafter_kv,
+        rows=rows,
+        activations=activations,
+        limit=device_limit(mesh, config.device_memory_gib),
+    )
+
+
+def check_engine_memory(plan: EngineMemoryPlan, config) -> None:
+    """ConfigError naming what to lower when `plan` cannot fit its devices."""
+    if plan.fits:
+        return
+    kv = "num_pages (--num-pages)" if config.kv_layout == "paged" else (
+        "num_slots (--num-slots) or max_len (--max-len), or use kv_layout='paged' "
+        "(--kv-layout paged) and size its pool by num_pages"
+    )  # fmt: skip
+    raise ConfigError(
+        f"the serving engine needs ~{_gib(plan.total)} per device ({plan.parts()}) but "
+        f"the devices have {_gib(plan.limit)} ({HEADROOM:.0%} usable): lower {kv}, or shard "
+        "over more devices (--mesh with a larger tensor axis)"
+    )
