@@ -31,7 +31,14 @@ STEPS = [((3, 5, 0), (3, 2, 0)), ((1, 4, 2), (1, 4, 2))]
 
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CFG, 0)
+    """`random_params` with each layer's scalar 1 + its random value (as `gemma_pair`): with the
+    raw scalars (~0.03) the residual stream shrinks ~30x a layer and float reassociation reaches
+    the logits ~100x amplified (3e-3 here, and as much for the slot layout's packed forward of
+    the same 80-token bucket: 2.9e-3)."""
+    p = jax.tree.map(lambda x: x, random_params(CFG, 0))
+    for layer in p["layers"].values():
+        layer["layer_scalar"] = layer["layer_scalar"].replace(1.0 + layer["layer_scalar"][...])
+    return p
 
 
 @functools.partial(jax.jit, static_argnames=("q_per_req", "read_only"))
@@ -43,9 +50,13 @@ def _step(params, toks, cu, kv, tables, cache, *, q_per_req, read_only):
     return paged_forward(*args, q_per_req=q_per_req)
 
 
-def _full(params, seq):
-    toks = jnp.asarray(seq, jnp.int32)[None]
+@jax.jit
+def _full_pass(params, toks):
     return tf.forward(CFG, params, toks, positions_like(toks))[0]
+
+
+def _full(params, seq):  # one program: right padding to the tables' length is never seen
+    return _full_pass(params, jnp.asarray([seq + [0] * (B * PAGE - len(seq))], jnp.int32))
 
 
 def _worst(out, cu, hist, new, params):
