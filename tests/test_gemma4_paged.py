@@ -159,6 +159,7 @@ def test_paged_engine_greedy_equals_plain_decoding(pair, prompts, refs, rounds_p
         assert out.tokens == ref, (rounds_per_call, i)
     assert sum(sum(o.num_accepted) for o in outs) > 0  # drafts accepted ...
     assert sum(sum(o.num_accepted) for o in outs) < sum(sum(o.proposed) for o in outs)  # and not
+    print(f"rounds_per_call={rounds_per_call}: {eng.page_pool.preemptions} preemptions")
     assert eng.page_pool.preemptions > 0
     eng.page_pool.check()
     assert eng.page_pool.used_pages == 0
