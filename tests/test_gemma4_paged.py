@@ -137,10 +137,10 @@ def refs(pair, prompts):
 
 @pytest.mark.parametrize("rounds_per_call", [1, 3])
 def test_paged_engine_greedy_equals_plain_decoding(pair, prompts, refs, rounds_per_call):
-    """Five requests on three slots, 14 pages of 8 (112 positions for requests of 46-52): the
+    """Five requests on three slots, 12 pages of 8 (96 positions for requests of 46-52): the
     paged engine preempts and recomputes, and every request gets plain greedy decoding's
     tokens, drafts accepted and rejected; nothing compiles after warm-up, every page returns."""
-    eng = _engine(pair, "greedy", kv_layout="paged", page_size=8, num_pages=14,
+    eng = _engine(pair, "greedy", kv_layout="paged", page_size=8, num_pages=12,
                   rounds_per_call=rounds_per_call)  # fmt: skip
     eng.warmup()
     n = eng.compilations
