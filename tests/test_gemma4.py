@@ -29,7 +29,6 @@ from dspark_jax.config import DrafterConfig, MeshConfig, TargetConfig  # noqa: E
 from dspark_jax.errors import CheckpointError, ConfigError  # noqa: E402
 from dspark_jax.models.generate import generate  # noqa: E402
 from dspark_jax.models.hf import check_checkpoint, load_target, save_target_hf  # noqa: E402
-from dspark_jax.models.paged import init_paged_cache, paged_forward  # noqa: E402
 from dspark_jax.models.transformer import init_cache, untie_lm_head  # noqa: E402
 from dspark_jax.parallel import make_mesh  # noqa: E402
 from dspark_jax.testing import positions_like  # noqa: E402
@@ -323,6 +322,3 @@ def test_gemma4_config_checks(ckpts):
         DrafterConfig(target=cfg, mask_token_id=3)
     with pytest.raises(CheckpointError, match="saving a gemma4 target as HF is not supported"):
         save_target_hf(every, None, "/nonexistent/never-written")
-    z = jnp.zeros((4,), jnp.int32)  # the paged forward refuses it, not runs it wrongly
-    with pytest.raises(ConfigError, match="paged forward does not support gemma4"):
-        paged_forward(cfg, None, z, z[:2], z[:1], z[:1, None], init_paged_cache(cfg, 2, 4))

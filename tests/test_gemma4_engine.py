@@ -4,7 +4,7 @@ A tiny random Gemma 4 config with every feature at once (sliding and global laye
 head geometry and RoPE, K = V, KV-shared layers, per-layer inputs, experts, soft-capped logits)
 and a sliding window shorter than the prompts: the packed forward (slot layout) equals the full
 pass of `models.forward` in every attention layout, and the engine's greedy output equals plain
-greedy decoding token for token.
+greedy decoding token for token. The paged layout: `test_gemma4_paged.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import pytest
 
 from dspark_jax.config import Gemma4Config, TargetConfig
 from dspark_jax.engine import RequestParams, ServingEngine
-from dspark_jax.errors import ConfigError
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.generate import generate
 from dspark_jax.models.packed import packed_forward, packed_forward_kv, write_kv
@@ -227,9 +226,3 @@ def test_sampled_mode_greedy_row_and_neighbour_independence(pair, prompts, refs)
         eng.step()
     assert mine.result().tokens == alone
     assert h[0].result().tokens == refs[0]
-
-
-def test_paged_layout_refused(pair):
-    """The paged layout's forward does not run Gemma 4 yet: refused at construction."""
-    with pytest.raises(ConfigError, match="paged KV layout.*does not support gemma4.*'slots'"):
-        _engine(pair, "greedy", kv_layout="paged", page_size=8)

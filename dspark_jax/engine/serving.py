@@ -54,7 +54,7 @@ from dspark_jax.engine.scheduling import Scheduler
 from dspark_jax.engine.slots import Request, SlotTable, validate_request
 from dspark_jax.engine.stepping import Fill, RoundRunner
 from dspark_jax.errors import RequestError
-from dspark_jax.models.transformer import embedding_table, require_transformer, untie_lm_head
+from dspark_jax.models.transformer import embedding_table, untie_lm_head
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,6 @@ class ServingEngine:
         self.config = config
         if config.kv_layout == "paged":  # K/V in page pools (engine.paged_engine)
             from dspark_jax.engine import paged_engine
-
-            require_transformer(tcfg, "the paged KV layout (its paged forward)")
 
             self.programs, self.slots = paged_engine.paged_objects(
                 tcfg, dcfg, tparams, dparams, config, mesh

@@ -17,8 +17,8 @@ serving engine's ring buffer of `sliding_window + γ + 1` is a later step).
 
 Each layer exposes `attention_inputs` (norm, q and its own k / v) and `finish` (everything after
 attention), the model `embed` and `kv_source`, as `transformer.py`'s do: `__call__` and the
-serving engine's packed forward (`models/packed.py`, slot layout) compose the same layer code
-around their own cache step. The paged forward does not run Gemma 4 yet.
+serving engine's packed forward (`models/packed.py`, slot layout) and paged forward
+(`models/paged.py`, paged layout) compose the same layer code around their own cache step.
 
 Shapes are written as suffixes: B batch, T tokens, S cache length, H hidden, L layers,
 P per-layer input width.

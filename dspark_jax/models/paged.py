@@ -18,10 +18,18 @@ not donate the pools). Rejected K/V are not erased: the next call's `kv_lens` sa
 visible, and the next tokens overwrite them.
 
 Shapes: T, R, B (pages per request bucket), P and page are static (one program per (T, R, B));
-the values of tokens, cu_q_lens, kv_lens and block_tables are per call. This composes
-`transformer.py`'s modules (same parameters, norms, RoPE, MLP, head) and swaps only the cache
-step of each layer, so it equals `transformer.forward` on a dense cache up to float
-reassociation.
+the values of tokens, cu_q_lens, kv_lens and block_tables are per call. This composes the
+target's own layers, as `packed.py` does (`transformer.DecoderLayer`, `gemma4.Gemma4Layer`:
+their `attention_inputs`, `finish`, `window` and `scale`, the model's `embed` and `kv_source`),
+and swaps only each layer's cache step, so it equals `transformer.forward` on a dense cache up
+to float reassociation.
+
+Gemma 4: one pool per layer that computes K/V, in that layer's geometry (global layers' own
+n_kv / head_dim; the dense cache's `init_cache` says which), all under the same block tables;
+a KV-shared layer keeps no pool and attends to its source layer's (and, read-only, to the
+source's new K/V); a sliding layer masks keys `window` or more positions back (its pages stay:
+freeing them is not done yet); scores unscaled, the per-layer inputs and the scaled embedding
+from `embed`, the soft-capped logits from the model's `logits`.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import jax.numpy as jnp
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models import transformer as tf
+from dspark_jax.models.cache import outputs
 from dspark_jax.models.layers import dtype_of
 from dspark_jax.models.paged_attention import (
     paged_attention,
@@ -70,12 +79,14 @@ class PagedKVCache(NamedTuple):
 
 
 def init_paged_cache(cfg: TargetConfig, num_pages: int, page_size: int, dtype=None):
-    """An all-zero pool of `num_pages` pages of `page_size` positions per layer."""
+    """An all-zero pool of `num_pages` pages of `page_size` positions per layer that computes
+    K/V, each in that layer's geometry [P, page, n_kv, d] (the dense `init_cache`'s entries)."""
     dt = dtype_of(cfg.dtype) if dtype is None else dtype
-    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-    k = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
-    v = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
-    return PagedKVCache(k, v)
+    dense = jax.eval_shape(lambda: tf.init_cache(cfg, 1, 1, dt))  # [1, n_kv, 1, d] per layer
+    pools = lambda xs: tuple(
+        jnp.zeros((num_pages, page_size, x.shape[1], x.shape[3]), dt) for x in xs
+    )
+    return PagedKVCache(pools(dense.k), pools(dense.v))
 
 
 class PagedNewKV(NamedTuple):
@@ -93,8 +104,12 @@ def write_new_kv(cache: PagedKVCache, kv: PagedNewKV) -> PagedKVCache:
     return PagedKVCache(tuple(k for k, _ in kvs), tuple(v for _, v in kvs))
 
 
-def _layer_window(window, i):
-    return window[i] if isinstance(window, tuple) else window
+def _layer_window(window, layer, i):
+    """Layer i's window: the caller's (one for all or a tuple per layer) and the layer's own
+    (a Gemma 4 sliding layer's), the narrower when both; None: full attention."""
+    w = window[i] if isinstance(window, tuple) else window
+    own = layer.window
+    return own if w is None else w if own is None else min(w, own)
 
 
 def paged_forward(
@@ -116,44 +131,43 @@ def paged_forward(
     """Returns ForwardOut with [1, T, ...] arrays (logits fp32, features, hidden) and the cache
     with the valid tokens' K/V written. Static: cfg, shapes, compute_logits, q_per_req (0:
     token-major attention; G: request-major, at most G new tokens per request), window (one for
-    every layer or a tuple per layer; None: full attention), softcap, impl (the attention
+    every layer or a tuple per layer; None: full attention; a Gemma 4 sliding layer always
+    keeps its own, the narrower of the two wins), softcap, impl (the attention
     implementation, `paged_attention.register_impl`), write
     (False: the pools are only read, the tokens' K/V attended directly, and the second item is
     their `PagedNewKV` for `write_new_kv`; the same values up to float reassociation). Every
     valid token's position must lie inside its request's table (< B * page)."""
-    tf.require_transformer(cfg, "the paged forward")
     model = tf.build(cfg, params)
     t = tokens_T.shape[0]
     tm = token_map(cu_q_lens_R1, kv_lens_R, t)
     slots_T = slot_mapping(block_tables_RxB, tm, cache.page_size)
-    x = jnp.take(model.embed_tokens[...], tokens_T, axis=0)[None]  # [1, T, H]
+    x, inputs = model.embed(tokens_T[None])  # [1, T, H], Gemma 4: per-layer inputs [1, T, L, P]
     pos_1xT = jnp.maximum(tm.pos, 0)[None]
-    feats, out_k, out_v = {}, [], []
+    feats, out_k, out_v, pools = {}, [], [], {}
     for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        # q [1, T, n, d], k / v [1, K, T, d]
-        q, k, v = attn.qkv(layer.input_layernorm(x), pos_1xT)
-        k_t, v_t = k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)  # [T, K, d]
-        if write:  # then read: in place (as packed.py)
-            kp, vp = write_pages(cache.k[i], cache.v[i], k_t, v_t, slots_T)
-            out_k.append(kp)
-            out_v.append(vp)
-        else:
-            kp, vp = cache.k[i], cache.v[i]
-            out_k.append(k_t)
-            out_v.append(v_t)
+        # q [1, T, n, d], k / v [1, K, T, d] (None: a KV-shared layer reads its source's)
+        q, k, v = layer.attention_inputs(x, pos_1xT)
+        src = model.kv_source(i)
+        if src == i:
+            k_t, v_t = k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)  # [T, K, d]
+            if write:  # then read: in place (as packed.py)
+                kp, vp = write_pages(cache.k[i], cache.v[i], k_t, v_t, slots_T)
+                out_k.append(kp)
+                out_v.append(vp)
+            else:
+                kp, vp = cache.k[i], cache.v[i]
+                out_k.append(k_t)
+                out_v.append(v_t)
+            pools[i] = (kp, vp, None if write else (k_t, v_t))
+        kp, vp, new_kv = pools[src]
         a = paged_attention(q[0], kp, vp, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
-                            q_per_req=q_per_req, window=_layer_window(window, i),
-                            softcap=softcap, new_kv=None if write else (k_t, v_t),
+                            q_per_req=q_per_req, window=_layer_window(window, layer, i),
+                            softcap=softcap, scale=layer.scale, new_kv=new_kv,
                             impl=impl)  # fmt: skip
-        x = x + attn.o_proj(a[None])
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = layer.finish(x, a[None], None if inputs is None else inputs[:, :, i])
         if i in cfg.target_layer_ids:
             feats[cfg.target_layer_ids.index(i)] = x
-    features = jnp.concatenate([feats[j] for j in sorted(feats)], axis=-1)
-    hidden = model.norm(x)
-    logits = model.logits(hidden) if compute_logits else None
-    out = tf.ForwardOut(logits, features, hidden)
+    out = outputs(model, x, list(feats.items()), compute_logits)
     if not write:
         return out, PagedNewKV(tuple(out_k), tuple(out_v), slots_T)
     return out, PagedKVCache(tuple(out_k), tuple(out_v))

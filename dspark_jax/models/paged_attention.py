@@ -2,7 +2,8 @@
 to their requests' K/V stored in a pool of fixed-size pages, read through a block table.
 
     out_TxF = paged_attention(q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R,
-                              cu_q_lens_R1, q_per_req=0, window=None, softcap=None, impl="xla")
+                              cu_q_lens_R1, q_per_req=0, window=None, softcap=None, scale=None,
+                              impl="xla")
     k_pages, v_pages = write_pages(k_pages, v_pages, k_TxKxD, v_TxKxD, slot_mapping_T)
 
 Shapes (static: they choose the compiled program; per call: values only):
@@ -19,8 +20,8 @@ Shapes (static: they choose the compiled program; per call: values only):
   slot_mapping_T      [T] int32, per call    token t's K/V goes to flat slot page*page + offset
                                              of the pool; < 0: padding, the write is dropped
 
-Semantics are `layers.attend`'s (the one attention: fp32 scores scaled by 1/sqrt(d), optional
-soft-capping, masked softmax, a query with no visible key gives 0): a query at position p sees
+Semantics are `layers.attend`'s (the one attention: fp32 scores scaled by `scale`, default
+1/sqrt(d) (Gemma 4: 1), optional soft-capping, masked softmax, a query with no visible key gives 0): a query at position p sees
 its own request's keys at positions j <= p (causal within the new tokens, all of the prefix),
 and with `window` only j > p - window. The caller writes the new tokens' K/V (`write_pages`)
 before attending, so they are read back from the pool like the prefix (one key set), or passes
@@ -119,7 +120,7 @@ def _visible(key_pos_S, pos_X, valid_X, window, below_X=None):
 
 
 def _xla(q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
-         *, q_per_req, window, softcap, new_kv=None):  # fmt: skip
+         *, q_per_req, window, softcap, new_kv=None, scale=None):  # fmt: skip
     """Pure JAX over `layers.attend`. Two layouts of the same reads:
     token-major (`q_per_req=0`): every token gathers its request's pages, T groups of one query
     (T copies of the context: cheap for few tokens over short contexts);
@@ -145,7 +146,7 @@ def _xla(q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
                 own = own & (tm.pos[None, :] > tm.pos[:, None] - window)
             kn, vn = (x.transpose(1, 0, 2)[None] for x in new_kv)  # [1, n_kv, T, d]
             sets.append((kn, vn, own[None]))
-        return attend(q_TxNxD[None], sets, softcap=softcap)[0]
+        return attend(q_TxNxD[None], sets, scale=scale, softcap=softcap)[0]
     g = int(q_per_req)
     # out of range (padding, or a request's tokens past G: a caller's error): dropped, output 0
     row = jnp.where(tm.valid & (tm.offset < g), tm.req * g + tm.offset, r * g)
@@ -166,7 +167,7 @@ def _xla(q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
         kn, vn = (by_row(x, 0).reshape(r, g, *x.shape[1:]).transpose(0, 2, 1, 3)[None]
                   for x in new_kv)  # fmt: skip  # [1, R, n_kv, G, d]
         sets.append((kn, vn, own[None]))
-    a = attend(q_g[None], sets, softcap=softcap)[0]  # [R * G, n_q * d]
+    a = attend(q_g[None], sets, scale=scale, softcap=softcap)[0]  # [R * G, n_q * d]
     return jnp.where((row < r * g)[:, None], a[jnp.minimum(row, r * g - 1)], 0).astype(a.dtype)
 
 
@@ -176,7 +177,7 @@ _IMPLS: dict[str, AttentionImpl] = {"xla": _xla}
 
 def register_impl(name: str, fn: AttentionImpl) -> None:
     """Make `fn` (paged_attention's arguments, keyword-only q_per_req / window / softcap, and
-    new_kv if it supports it; returns [T, n_q * d]) selectable as `impl=name`."""
+    new_kv and scale if it supports them; returns [T, n_q * d]) selectable as `impl=name`."""
     _IMPLS[name] = fn
 
 
@@ -192,6 +193,7 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
+    scale: float | None = None,
     impl: str = "xla",
 ) -> jax.Array:
     """Attention of the bucket's queries over their requests' paged K/V: [T, n_q * d] in q's
@@ -201,8 +203,9 @@ def paged_attention(
     of block_tables, kv_lens, cu_q_lens (module docstring). `new_kv` ((k, v) [T, n_kv, d] of
     the call's tokens, not yet in the pool): the pool is read only below each request's new
     tokens and these are attended directly, so the pools need not be written first (the
-    device-resident rounds write once, after choosing among programs). Only impls that say so
-    accept it."""
+    device-resident rounds write once, after choosing among programs). `scale` (static): the
+    scores' scale, None: 1/sqrt(d) (Gemma 4's layers: 1). Only impls that say so accept
+    `new_kv` or `scale`."""
     if impl not in _IMPLS:
         raise ValueError(f"paged_attention: impl={impl!r} unknown; registered: {sorted(_IMPLS)}")
     nq, nkv = q_TxNxD.shape[1], k_pages.shape[2]
@@ -213,5 +216,7 @@ def paged_attention(
     kw = dict(q_per_req=q_per_req, window=window, softcap=softcap)
     if new_kv is not None:
         kw["new_kv"] = new_kv
+    if scale is not None:
+        kw["scale"] = scale
     return _IMPLS[impl](q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
                         **kw)  # fmt: skip

@@ -30,7 +30,7 @@ __all__ = ["ragged_paged_attention_pallas"]
 
 
 def _kernel(tables_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref, o_ref,
-            *, page, window, softcap):  # fmt: skip
+            *, page, window, softcap, scale):  # fmt: skip
     r = pl.program_id(0)
     q = q_ref[0].astype(jnp.float32)  # [G, n_q, d]
     g, nq, d = q.shape
@@ -45,7 +45,8 @@ def _kernel(tables_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref, o_ref,
         p_idx = tables_ref[r, j]
         k = jnp.repeat(k_ref[p_idx].astype(jnp.float32), nq // nkv, axis=1)  # [page, n_q, d]
         v = jnp.repeat(v_ref[p_idx].astype(jnp.float32), nq // nkv, axis=1)
-        s = jnp.einsum("ghd,phd->ghp", q, k) / math.sqrt(d)
+        s = jnp.einsum("ghd,phd->ghp", q, k)
+        s = s / math.sqrt(d) if scale is None else s * scale
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         key = j * page + jnp.arange(page, dtype=jnp.int32)
@@ -68,10 +69,10 @@ def _kernel(tables_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref, o_ref,
 
 
 def ragged_paged_attention_pallas(q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R,
-                                  cu_q_lens_R1, *, q_per_req, window, softcap,
+                                  cu_q_lens_R1, *, q_per_req, window, softcap, scale=None,
                                   interpret=True):  # fmt: skip
     """`paged_attention`'s contract (its arguments, [T, n_q * d] out); static: q_per_req (> 0:
-    at most that many new tokens per request), window, softcap, interpret, shapes."""
+    at most that many new tokens per request), window, softcap, scale, interpret, shapes."""
     if not q_per_req:
         raise ValueError("pallas paged attention lays queries out per request: pass q_per_req=G")
     t, nq, d = q_TxNxD.shape
@@ -83,7 +84,8 @@ def ragged_paged_attention_pallas(q_TxNxD, k_pages, v_pages, block_tables_RxB, k
     q_g = jnp.zeros((r * g, nq, d), q_TxNxD.dtype).at[row].set(q_TxNxD, mode="drop")
     q_lens = (cu_q_lens_R1[1:] - cu_q_lens_R1[:-1]).astype(jnp.int32)
     whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)
-    kernel = functools.partial(_kernel, page=k_pages.shape[1], window=window, softcap=softcap)
+    kernel = functools.partial(_kernel, page=k_pages.shape[1], window=window, softcap=softcap,
+                               scale=scale)  # fmt: skip
     out = pl.pallas_call(
         kernel,
         grid=(r,),

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.errors import ConfigError
 from dspark_jax.models import gemma4
 from dspark_jax.models.cache import ForwardOut, KVCache, outputs
 from dspark_jax.models.layers import (
@@ -61,7 +60,6 @@ __all__ = [  # the layers re-exported for the code that reads them from here
     "init_cache",
     "init_params",
     "param_count",
-    "require_transformer",
     "rope_inv_freq",
 ]
 
@@ -164,17 +162,6 @@ class Transformer(nnx.Module):
         if cache is not None:
             cache = cache._replace(k=tuple(new_k), v=tuple(new_v))
         return outputs(self, x, feats, compute_logits), cache
-
-
-def require_transformer(cfg: TargetConfig, what: str) -> None:
-    """ConfigError unless `cfg` is one of this module's families: for the paged forward, which
-    composes `Transformer`'s layers itself and would run a Gemma 4 target without its windows,
-    norms and scales (the packed forward composes either family's layers)."""
-    if cfg.architecture == "gemma4":
-        raise ConfigError(
-            f"{what} does not support gemma4 targets yet — serve them with kv_layout='slots' "
-            "(serve.py --kv-layout slots)"
-        )
 
 
 def embedding_table(params: nnx.State) -> jax.Array:
