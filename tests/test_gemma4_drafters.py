@@ -25,6 +25,12 @@ from dspark_jax.drafters.dspark import (
     propose_block,
     teacher_forced,
 )
+from dspark_jax.drafters.eagle3 import (
+    extend_eagle3_context,
+    init_eagle3_context,
+    propose_eagle3,
+    ttt_hidden,
+)
 from dspark_jax.engine import RequestParams, ServingEngine
 from dspark_jax.errors import ConfigError
 from dspark_jax.models.generate import generate
@@ -149,6 +155,24 @@ def test_dspark_inference_matches_training(target):
                          forced_BxG=forced)  # fmt: skip
     np.testing.assert_allclose(prop.probs, jax.nn.softmax(train.logits[0], -1), atol=2e-6)
     np.testing.assert_allclose(prop.conf_logits, train.conf_logits[0], atol=2e-5)
+
+
+def test_eagle3_inference_matches_ttt(target):
+    """The Gemma Eagle3 drafter's serving path (cache extension, autoregressive steps) records
+    exactly the training-time test's distributions at the same positions."""
+    tp, batch = target
+    cfg = drafter("eagle3")
+    model = api.build(cfg, api.init_params(cfg, seed=3, target_params=tp))
+    ids, feats = batch["input_ids"][:1], batch["target_features"][:1]
+    g, t = cfg.block_size, 8
+    steps = ttt_hidden(model, feats, ids, jnp.array([ids.shape[1]]))  # [γ, 1, L, H]
+    p_ttt = jax.nn.softmax(model.logits(steps[:, 0, t]), -1)  # [γ, V]
+    nxt = jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1)
+    ctx = extend_eagle3_context(model, init_eagle3_context(cfg, 1, 24), feats, nxt,
+                                jnp.array([t + 1]))  # fmt: skip
+    forced = ids[:, t + 2 : t + 2 + g]
+    prop = propose_eagle3(model, ctx, jax.random.key(0), jnp.array([0]), forced_BxG=forced)
+    np.testing.assert_allclose(prop.probs[0], p_ttt, atol=2e-6)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
