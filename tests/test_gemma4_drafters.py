@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from dspark_jax.config import DrafterConfig
-from dspark_jax.drafters import api
+from dspark_jax.drafters import api, common
 from dspark_jax.drafters.dspark import (
     extend_block_context,
     init_block_context,
@@ -35,6 +35,7 @@ from dspark_jax.engine import RequestParams, ServingEngine
 from dspark_jax.errors import ConfigError
 from dspark_jax.models.generate import generate
 from dspark_jax.testing import drafter_batch, random_params
+from dspark_jax.train import losses
 from dspark_jax.train.anchors import make_blocks
 from dspark_jax.train.losses import loss_fn
 from tests.test_gemma4_engine import V, gemma_config
@@ -112,10 +113,11 @@ def test_training_steps_compile_once_and_decrease_the_loss(kind, target):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_soft_capping_is_applied_to_draft_and_target_logits(kind, target):
+def test_soft_capping_is_applied_to_draft_and_target_logits(kind, target, monkeypatch):
     """Draft logits lie within the cap (DSpark: the base logits, before the Markov bias) though
     the raw head products exceed it; the loss without the cap (the same parameters) differs, and
-    so does the loss with only the recomputed target logits capped (the draft side matters)."""
+    so do the loss and L1 term (DFlash's CE reads hard labels only, Eagle3 logs no L1) when the
+    recomputed target logits alone go uncapped (the target side)."""
     tp, batch = target
     cfg = drafter(kind)
     params = api.init_params(cfg, seed=1, target_params=tp)
@@ -132,6 +134,16 @@ def test_soft_capping_is_applied_to_draft_and_target_logits(kind, target):
     loss = lambda c: float(loss_fn(c, params.trainable, params.frozen, batch, key)[0])
     with_cap, without = loss(cfg), loss(uncapped(cfg))
     assert np.isfinite(with_cap) and abs(with_cap - without) > 1e-3 * abs(with_cap)
+    # the losses' own head product (the target logits) without its cap
+    monkeypatch.setattr(losses, "lm_logits", lambda w, z, cap=None: common.lm_logits(w, z))
+
+    def loss_l1():
+        out, m = loss_fn(cfg, params.trainable, params.frozen, batch, key)
+        return np.array([float(out), float(m["l1"])])
+
+    target_uncapped = loss_l1()
+    monkeypatch.undo()
+    assert not np.allclose(loss_l1(), target_uncapped, rtol=1e-3, atol=0)
 
 
 def test_dspark_inference_matches_training(target):
