@@ -242,7 +242,9 @@ class DrafterConfig:
     The drafter copies the target's per-layer shapes (hidden size, heads, head dim, FFN width,
     architecture, RoPE) from `target`, overriding the layer count; it reads the target features
     of `target.target_layer_ids` (m = len of those). Embedding and LM head are frozen copies of the
-    target's (REFERENCE §0, §2.1). Hashable: a static `jax.jit` argument.
+    target's (REFERENCE §0, §2.1). A Gemma 4 target gives Gemma layers in its global geometry
+    (`layer_config`, REFERENCE §2.10), the scaled embedding and its soft-capped logits.
+    Hashable: a static `jax.jit` argument.
 
     Fields (REFERENCE §0, §2–5, §8):
       kind: "dspark" | "dflash" | "eagle3".
