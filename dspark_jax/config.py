@@ -242,7 +242,9 @@ class DrafterConfig:
     The drafter copies the target's per-layer shapes (hidden size, heads, head dim, FFN width,
     architecture, RoPE) from `target`, overriding the layer count; it reads the target features
     of `target.target_layer_ids` (m = len of those). Embedding and LM head are frozen copies of the
-    target's (REFERENCE §0, §2.1). Hashable: a static `jax.jit` argument.
+    target's (REFERENCE §0, §2.1). A Gemma 4 target gives Gemma layers in its global geometry
+    (`layer_config`, REFERENCE §2.10), the scaled embedding and its soft-capped logits.
+    Hashable: a static `jax.jit` argument.
 
     Fields (REFERENCE §0, §2–5, §8):
       kind: "dspark" | "dflash" | "eagle3".
@@ -300,8 +302,6 @@ class DrafterConfig:
             raise ConfigError(
                 f"num_layers={self.num_layers} and block_size={self.block_size} must be >= 1"
             )
-        if self.target.architecture == "gemma4":
-            raise ConfigError("drafters for Gemma 4 targets are not supported yet (issue 41)")
         if not (isinstance(self.context_window, int) and self.context_window >= 0):
             raise ConfigError(
                 f"context_window={self.context_window!r} must be an integer >= 0 (0 = the whole "
@@ -370,8 +370,42 @@ class DrafterConfig:
 
     @property
     def layer_config(self) -> TargetConfig:
-        """The target config with the drafter's dtype: per-layer shapes of every draft layer."""
-        return self.target.replace(dtype=self.dtype)
+        """The target config with the drafter's dtype: per-layer shapes of every draft layer.
+
+        Gemma 4 target (REFERENCE §0, §2.10): its text config with every layer full attention
+        (the global layers' head size, K/V heads, K = V and RoPE), no KV-shared layers, no
+        mixture of experts, no per-layer inputs, untied; at least as many layers as the drafter
+        has (the target's feature layers stay valid)."""
+        t = self.target.replace(dtype=self.dtype)
+        if t.gemma is None:
+            return t
+        n = max(t.num_layers, self.num_layers)
+        off = dict(num_kv_shared_layers=0, use_double_wide_mlp=False, num_experts=0)
+        off.update(top_k_experts=0, moe_intermediate_size=0, hidden_size_per_layer_input=0)
+        g = dataclasses.replace(
+            t.gemma, layer_types=("full_attention",) * n, vocab_size_per_layer_input=0, **off
+        )
+        return t.replace(num_layers=n, tie_word_embeddings=False, gemma=g)
+
+    @property
+    def kv_geometry(self) -> tuple[int, int]:
+        """(K/V heads, head size) of every draft layer (Gemma 4: the global layers')."""
+        g = self.target.gemma
+        if g is None:
+            return self.target.num_kv_heads, self.target.head_dim
+        return g.global_kv_heads, g.global_head_dim
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """The target's final-logit soft-cap c (Gemma 4; None: none): c·tanh(logits / c) on the
+        draft logits and on the target logits the losses recompute (REFERENCE §1.4, §2.10)."""
+        g = self.target.gemma
+        return None if g is None else g.final_logit_softcapping
+
+    @property
+    def embed_scale(self) -> float | None:
+        """The factor of the scaled embedding (Gemma 4: sqrt(H); None: unscaled)."""
+        return None if self.target.gemma is None else self.hidden_size**0.5
 
     def replace(self, **kw) -> DrafterConfig:
         return replace_checked(self, **kw)

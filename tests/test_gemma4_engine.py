@@ -131,11 +131,8 @@ def gemma_pair(gamma=4, mix=0.25, head_scale=8.0, markov_bias=500.0, seed=0):
     """(tcfg, tparams, dcfg, dparams): `engine_models.agreeing_pair` for a Gemma 4 target. The
     target's branches (post norms) are scaled down and its untied head maps each token's own
     embedding direction to `perm[token]`, so its next token is mostly `perm[current]` but the
-    context changes it now and then; the drafter drafts the permutation chain.
-
-    Drafters for Gemma 4 targets are refused (`DrafterConfig`, issue 41: Gemma-style drafter
-    layers are another item), so the drafter is built for a Qwen3 stand-in of the target's
-    shapes: it reads the Gemma target's features and tables, which is all the engine needs."""
+    context changes it now and then; the drafter (a Gemma-style DSpark drafter of the target:
+    `DrafterConfig.layer_config`, soft-capped logits) drafts the permutation chain."""
     tcfg = gemma_config(tie=False)
     tp = jax.tree.map(lambda x: x, random_params(tcfg, seed))
     for layer in tp["layers"].values():
@@ -151,12 +148,7 @@ def gemma_pair(gamma=4, mix=0.25, head_scale=8.0, markov_bias=500.0, seed=0):
     head = np.zeros((tcfg.hidden_size, V), np.float32)
     head[:, perm] = (unit * head_scale).T
     tp["lm_head"]["kernel"] = tp["lm_head"]["kernel"].replace(jnp.asarray(head))
-    stand_in = TargetConfig(**{
-        f: getattr(tcfg, f) for f in ("vocab_size", "hidden_size", "intermediate_size",
-        "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
-        "tie_word_embeddings", "max_position_embeddings", "target_layer_ids", "dtype")
-    })  # fmt: skip
-    dcfg, dp = markov_drafter(stand_in, tp, perm, gamma, markov_bias, seed)
+    dcfg, dp = markov_drafter(tcfg, tp, perm, gamma, markov_bias, seed)
     return tcfg, tp, dcfg, dp
 
 

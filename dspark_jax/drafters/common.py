@@ -38,13 +38,18 @@ def shift_left(x_BxT: jax.Array, k: int, fill=0) -> jax.Array:
     return jnp.concatenate([x_BxT[:, k:], pad], axis=1)
 
 
-def embed(frozen_table_VxH: jax.Array, tokens: jax.Array) -> jax.Array:
-    return jnp.take(frozen_table_VxH, tokens, axis=0)
+def embed(frozen_table_VxH: jax.Array, tokens: jax.Array, scale: float | None = None) -> jax.Array:
+    """Rows of the frozen table; `scale` (Gemma 4's scaled embedding, `DrafterConfig.embed_scale`)
+    multiplies them, rounded to the table's dtype first as the target's `ScaledEmbed` does."""
+    x = jnp.take(frozen_table_VxH, tokens, axis=0)
+    return x if scale is None else x * jnp.asarray(scale, frozen_table_VxH.dtype)
 
 
-def lm_logits(lm_head_HxV: jax.Array, z: jax.Array) -> jax.Array:
-    """fp32 logits [..., V] from normed hidden z [..., H]."""
-    return jnp.einsum("...h,hv->...v", z, lm_head_HxV, preferred_element_type=jnp.float32)
+def lm_logits(lm_head_HxV: jax.Array, z: jax.Array, cap: float | None = None) -> jax.Array:
+    """fp32 logits [..., V] from normed hidden z [..., H]; with `cap` (Gemma 4's final-logit
+    soft-cap, `DrafterConfig.logit_softcap`) soft-capped: cap·tanh(logits / cap)."""
+    out = jnp.einsum("...h,hv->...v", z, lm_head_HxV, preferred_element_type=jnp.float32)
+    return out if cap is None else cap * jnp.tanh(out / cap)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,8 +40,16 @@ from dspark_jax.drafters.common import (
     sampling_probs,
 )
 from dspark_jax.drafters.heads import ConfidenceHead, MarkovHead
+from dspark_jax.models.gemma4 import Gemma4Layer
 from dspark_jax.models.layers import Linear, RMSNorm, attend, dtype_of, normal_init, visible
 from dspark_jax.models.transformer import DecoderLayer
+
+
+def draft_layer(cfg: DrafterConfig, i: int, rngs: nnx.Rngs):
+    """Draft layer i: the target architecture's decoder layer on `cfg.layer_config` (Gemma 4: a
+    `Gemma4Layer`, full attention in the global geometry, sandwich norms and layer scalar)."""
+    lc = cfg.layer_config
+    return DecoderLayer(lc, rngs=rngs) if lc.gemma is None else Gemma4Layer(lc, i, rngs=rngs)
 
 
 class BlockDrafter(nnx.Module):
@@ -57,7 +65,7 @@ class BlockDrafter(nnx.Module):
         self.lm_head = FrozenParam(normal_init(rngs, (h, v), dt), logical=("embed", "vocab"))
         self.fc = Linear(cfg.feature_size, h, rngs=rngs, dtype=dt, logical=(None, "embed"))
         self.hidden_norm = RMSNorm(h, lc.rms_norm_eps, dt)
-        self.layers = nnx.List([DecoderLayer(lc, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([draft_layer(cfg, i, rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(h, lc.rms_norm_eps, dt)
         self.markov_head = MarkovHead(cfg, rngs=rngs) if cfg.markov_rank else None
         self.confidence_head = ConfidenceHead(cfg, rngs=rngs) if cfg.confidence_head else None
@@ -83,7 +91,7 @@ class BlockDrafter(nnx.Module):
         inference: the context cache). Block n sees context entries < ctx_len[b, n] (with
         `cfg.context_window` W > 0 only those >= ctx_len[b, n] - W) and itself.
         """
-        x = embed(self.embed_tokens[...], ids_BxNxG)
+        x = embed(self.embed_tokens[...], ids_BxNxG, self.cfg.embed_scale)
         return self.blocks_from_embeddings(ctx_kv, ctx_len_BxN, keep_BxN, x, pos_BxNxG)
 
     def blocks_from_embeddings(self, ctx_kv, ctx_len_BxN, keep_BxN, x_BxNxGxH, pos_BxNxG):
@@ -106,18 +114,16 @@ class BlockDrafter(nnx.Module):
         m_ctx = (m_ctx & keep_BxN[:, :, None])[:, :, None, :]  # [B, N, 1, S]
         m_blk = keep_BxN[:, :, None, None]  # [B, N, 1, 1]
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
-            attn = layer.self_attn
-            q, kb, vb = attn.qkv(layer.input_layernorm(x), pos)  # kb, vb [B, n_kv, N·G, d_h]
+            q, kb, vb = layer.attention_inputs(x, pos)  # kb, vb [B, n_kv, N·G, d_h]
             kb = kb.reshape(b, kb.shape[1], n, g, -1).transpose(0, 2, 1, 3, 4)  # [B, N, n_kv, G, d]
             vb = vb.reshape(b, vb.shape[1], n, g, -1).transpose(0, 2, 1, 3, 4)
-            a = attend(q, [(kc, vc, m_ctx), (kb, vb, m_blk)])
-            x = x + attn.o_proj(a)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            a = attend(q, [(kc, vc, m_ctx), (kb, vb, m_blk)], scale=layer.scale)
+            x = layer.finish(x, a)
         return self.norm(x).reshape(b, n, g, -1)
 
     def base_logits(self, z):
-        """U = lm_head(z) [..., V] fp32."""
-        return lm_logits(self.lm_head[...], z)
+        """U = lm_head(z) [..., V] fp32 (Gemma 4: soft-capped, before any Markov bias)."""
+        return lm_logits(self.lm_head[...], z, self.cfg.logit_softcap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,8 +142,8 @@ class BlockContext(NamedTuple):
 
 
 def init_block_context(cfg: DrafterConfig, batch: int, max_len: int) -> BlockContext:
-    lc = cfg.layer_config
-    shape = (batch, lc.num_kv_heads, max_len, lc.head_dim)
+    nkv, d = cfg.kv_geometry
+    shape = (batch, nkv, max_len, d)
     dt = dtype_of(cfg.dtype)
     k = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
     v = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))

@@ -29,6 +29,7 @@ from dspark_jax.drafters.common import (
     sampling_probs,
     shift_left,
 )
+from dspark_jax.models.gemma4 import Gemma4Layer
 from dspark_jax.models.layers import (
     MLP,
     Attention,
@@ -42,6 +43,8 @@ from dspark_jax.models.layers import (
 
 
 class Eagle3Layer(nnx.Module):
+    scale = None  # attention scores scaled by 1/sqrt(d)
+
     def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
         lc = cfg.layer_config
         dt = dtype_of(cfg.dtype)
@@ -61,6 +64,20 @@ class Eagle3Layer(nnx.Module):
         return g + self.mlp(self.post_attention_layernorm(g))
 
 
+class Eagle3GemmaLayer(Gemma4Layer):
+    """The Eagle3 layer for a Gemma 4 target (REFERENCE §2.10, §5.1): a `Gemma4Layer` of the
+    drafter's layer config (global geometry, value norm, scale 1, sandwich norms, GELU MLP,
+    layer scalar) whose attention reads [input_layernorm(emb); hidden_norm(g)] [.., 2H]."""
+
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
+        lc = cfg.layer_config
+        super().__init__(lc, 0, rngs=rngs, d_in=2 * lc.hidden_size)
+        self.hidden_norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps, dtype_of(lc.dtype))
+
+    def inputs(self, emb, g):
+        return jnp.concatenate([self.input_layernorm(emb), self.hidden_norm(g)], -1)
+
+
 class Eagle3Drafter(nnx.Module):
     """HF names: embed_tokens, lm_head, fc, layers.0.{hidden_norm, input_layernorm, self_attn.*,
     post_attention_layernorm, mlp.*}, norm."""
@@ -72,15 +89,20 @@ class Eagle3Drafter(nnx.Module):
         self.embed_tokens = FrozenParam(normal_init(rngs, (v, h), dt), logical=("vocab", "embed"))
         self.lm_head = FrozenParam(normal_init(rngs, (h, v), dt), logical=("embed", "vocab"))
         self.fc = Linear(cfg.feature_size, h, rngs=rngs, dtype=dt, logical=(None, "embed"))
-        self.layers = nnx.List([Eagle3Layer(cfg, rngs=rngs)])
+        gemma = cfg.target.gemma is not None
+        self.layers = nnx.List([(Eagle3GemmaLayer if gemma else Eagle3Layer)(cfg, rngs=rngs)])
         self.norm = RMSNorm(h, cfg.layer_config.rms_norm_eps, dt)
 
     def project(self, features):
         return self.fc(features.astype(dtype_of(self.cfg.dtype)))
 
     def logits(self, g):
-        """lm_head(norm(g)) [..., V] fp32."""
-        return lm_logits(self.lm_head[...], self.norm(g))
+        """lm_head(norm(g)) [..., V] fp32 (Gemma 4: soft-capped)."""
+        return lm_logits(self.lm_head[...], self.norm(g), self.cfg.logit_softcap)
+
+    def embed(self, tokens):
+        """The frozen embedding rows of `tokens` (Gemma 4: scaled)."""
+        return embed(self.embed_tokens[...], tokens, self.cfg.embed_scale)
 
 
 def ttt_hidden(model: Eagle3Drafter, features_BxTxF, input_ids_BxT, valid_len_B):
@@ -104,7 +126,7 @@ def ttt_hidden(model: Eagle3Drafter, features_BxTxF, input_ids_BxT, valid_len_B)
     k0 = v0 = None
     diag_k, diag_v, outs = [], [], []
     for k in range(cfg.block_size):
-        x = layer.inputs(embed(model.embed_tokens[...], shift_left(input_ids_BxT, k + 1)), g)
+        x = layer.inputs(model.embed(shift_left(input_ids_BxT, k + 1)), g)
         q, kk, vv = attn.qkv(x, pos0 + k)  # q [B, T, n_q, d], kk/vv [B, n_kv, T, d]
         if k == 0:
             k0, v0 = kk, vv
@@ -119,7 +141,7 @@ def ttt_hidden(model: Eagle3Drafter, features_BxTxF, input_ids_BxT, valid_len_B)
             kd = jnp.stack(diag_k, axis=3).transpose(0, 2, 1, 3, 4)  # [B, T, n_kv, J, d]
             vd = jnp.stack(diag_v, axis=3).transpose(0, 2, 1, 3, 4)
             sets.append((kd, vd, q_ok[:, :, None, None]))
-        g = layer.finish(g, attend(q, sets).astype(x.dtype))
+        g = layer.finish(g, attend(q, sets, scale=layer.scale).astype(x.dtype))
         outs.append(g)
     return jnp.stack(outs)
 
@@ -143,7 +165,8 @@ class Eagle3Context(NamedTuple):
 def init_eagle3_context(cfg: DrafterConfig, batch: int, max_len: int) -> Eagle3Context:
     lc = cfg.layer_config
     dt = dtype_of(cfg.dtype)
-    shape = (batch, lc.num_kv_heads, max_len, lc.head_dim)
+    nkv, d = cfg.kv_geometry
+    shape = (batch, nkv, max_len, d)
     return Eagle3Context(
         jnp.zeros(shape, dt),
         jnp.zeros(shape, dt),
@@ -167,7 +190,7 @@ def extend_eagle3_context(
     valid = offs < num_new_B[:, None]
     write = jnp.where(valid, pos, s)[:, None, :]  # [B, 1, T]; index s -> dropped
     g_in = model.project(features_BxTxF)
-    x = layer.inputs(embed(model.embed_tokens[...], next_tokens_BxT), g_in)
+    x = layer.inputs(model.embed(next_tokens_BxT), g_in)
     q, kk, vv = attn.qkv(x, pos)  # kk/vv [B, n_kv, T, d]
     rows = jnp.arange(b)[:, None, None]
     heads = jnp.arange(kk.shape[1])[None, :, None]
@@ -175,7 +198,7 @@ def extend_eagle3_context(
     cv = ctx.v.at[rows, heads, write].set(vv.astype(ctx.v.dtype), mode="drop")
     key_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
     cache_mask = visible(key_pos, pos, model.cfg.context_window or None)  # [B, T, S]
-    a = attend(q, [(ck, cv, cache_mask)])
+    a = attend(q, [(ck, cv, cache_mask)], scale=layer.scale)
     g_out = layer.finish(g_in, a.astype(g_in.dtype))
     last = jnp.clip(num_new_B - 1, 0, t - 1)
     g_last = jnp.take_along_axis(g_out, last[:, None, None], axis=1)[:, 0]
@@ -214,7 +237,7 @@ def propose_eagle3(
     key_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
     cache_mask = visible(key_pos, start[:, None] - 1, cfg.context_window or None)  # [B, 1, S]
     nb = max(gam - 1, 1)
-    buf_k = jnp.zeros((b, attn.cfg.num_kv_heads, nb, attn.cfg.head_dim), ctx.k.dtype)
+    buf_k = jnp.zeros((b, attn.num_kv_heads, nb, attn.head_dim), ctx.k.dtype)
     buf_v = jnp.zeros_like(buf_k)
 
     # each step draws from its logits; the recorded distributions are computed after the loop
@@ -230,12 +253,12 @@ def propose_eagle3(
         g, tok, bk, bv = carry
         j, noise_k, forced_k = xs  # j = 1..γ−1
         pos = (start + j - 1)[:, None]
-        x = layer.inputs(embed(model.embed_tokens[...], tok[:, None]), g[:, None])
+        x = layer.inputs(model.embed(tok[:, None]), g[:, None])
         q, kk, vv = attn.qkv(x, pos)  # kk/vv [B, n_kv, 1, d]
         bk = jax.lax.dynamic_update_slice_in_dim(bk, kk.astype(bk.dtype), j - 1, axis=2)
         bv = jax.lax.dynamic_update_slice_in_dim(bv, vv.astype(bv.dtype), j - 1, axis=2)
         buf_mask = jnp.broadcast_to(jnp.arange(nb)[None, None, :] < j, (b, 1, nb))
-        a = attend(q, [(ctx.k, ctx.v, cache_mask), (bk, bv, buf_mask)])
+        a = attend(q, [(ctx.k, ctx.v, cache_mask), (bk, bv, buf_mask)], scale=layer.scale)
         g = layer.finish(g[:, None], a.astype(g.dtype))[:, 0]
         tok, logits = step_draw(g, noise_k, forced_k)
         return (g, tok, bk, bv), (tok, logits)

@@ -76,8 +76,18 @@ def hf_drafter_name(path: tuple) -> tuple[str, bool]:
     return ".".join(parts), transpose
 
 
+def _require_hf_format(cfg: DrafterConfig):
+    """Refuse a drafter whose checkpoint format is not implemented (one line naming it)."""
+    if cfg.target.architecture not in _ARCH_PREFIX:
+        raise ConfigError(
+            f"the {cfg.target.architecture} drafter checkpoint format (load / export) is not "
+            "supported yet (issue 41); train and serve the drafter in memory"
+        )
+
+
 def expected_drafter_tensors(cfg: DrafterConfig) -> dict[str, tuple[str, tuple, tuple, bool]]:
     """HF name -> (collection "trainable"|"frozen", our path, HF shape, transposed?)."""
+    _require_hf_format(cfg)
     abstract = nnx.eval_shape(lambda: init_params(cfg))
     out = {}
     for coll, state in (("trainable", abstract.trainable), ("frozen", abstract.frozen)):
@@ -184,6 +194,7 @@ def _hf_target_id(hf: Mapping[str, Any], layer_ids) -> TargetId:
 
 def hf_drafter_config_dict(cfg: DrafterConfig, dtype: str | None = None) -> dict[str, Any]:
     """The drafter's `config.json` (the target config with the drafter overrides)."""
+    _require_hf_format(cfg)
     d = hf_config_dict(cfg.target, dtype or cfg.dtype)
     d.pop("dspark_target_layer_ids", None)
     prefix = _ARCH_PREFIX[cfg.target.architecture]

@@ -45,8 +45,7 @@ class PagedContext(NamedTuple):
 
 
 def init_paged_context(cfg: DrafterConfig, rows: int, num_pages: int, page_size: int):
-    lc = cfg.layer_config
-    shape = (num_pages, page_size, lc.num_kv_heads, lc.head_dim)
+    shape = (num_pages, page_size, *cfg.kv_geometry)
     empty = init_context(cfg, rows, 0)
     pool = lambda x: jnp.zeros(shape, dtype_of(cfg.dtype))
     return PagedContext(jax.tree.map(pool, empty.k), jax.tree.map(pool, empty.v), empty)

@@ -57,7 +57,8 @@ def teacher_forced_acceptance(tcfg, tparams, dcfg, dparams, ids_BxL, anchors_BxN
     b, seq = ids_BxL.shape
     feats, hidden = target_features(tcfg, tparams, ids_BxL)
     lm = dparams.frozen["lm_head"][...]
-    p_all = jax.nn.softmax(lm_logits(lm, hidden.astype(lm.dtype)).astype(jnp.float32), -1)
+    t_logits = lm_logits(lm, hidden.astype(lm.dtype), dcfg.logit_softcap)
+    p_all = jax.nn.softmax(t_logits.astype(jnp.float32), -1)
     g = dcfg.block_size
     take = jax.vmap(lambda s, r: s[r])
     if dcfg.kind == "eagle3":

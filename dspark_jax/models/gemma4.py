@@ -57,10 +57,13 @@ def attention_shape(cfg: TargetConfig, layer: int) -> AttentionShape:
 
 
 class Gemma4Layer(nnx.Module):
-    def __init__(self, cfg: TargetConfig, layer: int, *, rngs: nnx.Rngs):
+    """`d_in`: the width the attention projections read (default H; the Eagle3 drafter's layer
+    reads its 2H-wide [embedding; hidden] input)."""
+
+    def __init__(self, cfg: TargetConfig, layer: int, *, rngs: nnx.Rngs, d_in=None):
         g, dt, h, eps = cfg.gemma, dtype_of(cfg.dtype), cfg.hidden_size, cfg.rms_norm_eps
         shape = attention_shape(cfg, layer)
-        self.self_attn = Attention(cfg, rngs=rngs, shape=shape)
+        self.self_attn = Attention(cfg, rngs=rngs, shape=shape, d_in=d_in)
         wide = g.use_double_wide_mlp and not shape.has_kv
         width = cfg.intermediate_size * (2 if wide else 1)
         self.mlp = MLP(cfg, rngs=rngs, width=width, act="gelu_tanh")

@@ -18,7 +18,8 @@ The trainer's contract is one function:
                attention_mask  [B, L]      optional, 1 = real token (Eagle3 valid length;
                                            default: all ones)
              Target logits are recomputed inside from `target_hidden` with the frozen lm_head,
-             only at the positions the loss needs (REFERENCE §1.4, §2.8), never stored.
+             only at the positions the loss needs (REFERENCE §1.4, §2.8), never stored;
+             soft-capped as the draft logits for a Gemma 4 target (`logit_softcap`).
   rng        a jax PRNG key: anchor sampling (DSpark/DFlash; fresh per step — e.g.
              fold_in(key, step)). Eagle3 ignores it.
   weights    `LossWeights` (arrays: α's and per-position weights), or None = `LossWeights.of(cfg)`.
@@ -301,7 +302,8 @@ def dspark_loss(cfg, trainable, frozen, batch: Batch, rng, weights=None) -> tupl
         z = model.blocks(ctx_kv, blk.anchors, blk.keep, blk.block_ids, blk.positions)
         out = teacher_forced(model, z, blk.prev_ids)
         th = jax.vmap(lambda h, p: h[p])(hidden, blk.target_pos)  # [B, n, γ, H]
-        t_logits = jax.lax.stop_gradient(lm_logits(lm_head, th.astype(lm_head.dtype)))
+        t_logits = lm_logits(lm_head, th.astype(lm_head.dtype), cfg.logit_softcap)
+        t_logits = jax.lax.stop_gradient(t_logits)
         return block_terms(cfg, out.logits, out.conf_logits, t_logits, blk, weights)
 
     if cfg.anchor_chunk and cfg.anchor_chunk < cfg.num_anchors:
@@ -367,7 +369,7 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch, weights=None) -> tuple[jax
     lm = jnp.where(jnp.arange(seq)[None, :] == (valid_len - 1)[:, None], 0.0, lm)
     lm_head = frozen["lm_head"][...]
     t_logits = jax.lax.stop_gradient(
-        lm_logits(lm_head, batch["target_hidden"].astype(lm_head.dtype))
+        lm_logits(lm_head, batch["target_hidden"].astype(lm_head.dtype), cfg.logit_softcap)
     )  # [B, L, V]
     g_steps = ttt_hidden(model, batch["target_features"], ids, valid_len)  # [γ, B, L, H]
     denom = am.sum()

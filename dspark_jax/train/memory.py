@@ -124,8 +124,9 @@ def _drafter_activations(d: DrafterConfig, b: int, seq: int, c: int, t: int) -> 
     tc = d.target
     h, inter, v = tc.hidden_size, tc.intermediate_size, tc.vocab_size
     heads = max(tc.num_heads // t, 1)
-    kv_w = max(tc.num_kv_heads * tc.head_dim // t, 1)
-    q_w = tc.num_heads * tc.head_dim // t
+    nkv, hd = d.kv_geometry  # the draft layers' (Gemma 4: the global layers')
+    kv_w = max(nkv * hd // t, 1)
+    q_w = tc.num_heads * hd // t
     v_local = v // t if v % t == 0 else v
     gamma = d.block_size
     if d.kind == "eagle3":
