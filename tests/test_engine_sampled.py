@@ -103,6 +103,33 @@ def _chisquare(counts, law):
     return stats.chisquare(o, e * o.sum() / e.sum())
 
 
+def _law_engine(tcfg, dcfg, tp, dp, token_buckets):
+    """A sampled-mode engine scheduled by Algorithm 1 for the chi-square tests (warmed up)."""
+    eng = ServingEngine(
+        tcfg, dcfg, tp, dp, num_slots=16, max_len=32, prompt_buckets=(8,),
+        token_buckets=token_buckets, modes=("sampled",), policy="alg1",
+        cost_profile=CostProfile.from_step_time(1.0, 0.003, max_tokens=64),
+    )  # fmt: skip
+    eng.warmup()
+    return eng
+
+
+def _pair_counts(eng, prompt, law, n, seed0):
+    """Counts of (t2, t3) over n seeded T = 1 requests of 3 tokens, and their outputs."""
+    params = [RequestParams(3, temperature=1.0, seed=seed0 + i) for i in range(n)]
+    outs = eng.generate([prompt] * n, params)
+    counts = np.zeros_like(law)
+    for o in outs:
+        counts[o.tokens[1], o.tokens[2]] += 1
+    return counts, outs
+
+
+def _pvalues(counts, law):
+    """Chi-square p-values of the joint law of (t2, t3) and of the marginal of t2 (more power on
+    one round's output)."""
+    return [_chisquare(c, lw).pvalue for c, lw in ((counts, law), (counts.sum(1), law.sum(1)))]
+
+
 class UnlikelyOnly:
     """Biased on purpose: verifies the drafts only when the first draft is NOT the drafter's own
     most likely token (admission looks at the draft's value), none otherwise."""
@@ -124,37 +151,17 @@ def test_sampled_follows_target_law_with_scheduler_and_rejects_biased_policy():
     tcfg, tp, dcfg, dp = agreeing_pair(vocab=8, gamma=2, head_scale=0.4, markov_bias=0.0)
     prompt = [1, 2, 3]
     law = _exact_pair_law(tcfg, tp, prompt)
-    eng = ServingEngine(
-        tcfg, dcfg, tp, dp, num_slots=16, max_len=32, prompt_buckets=(8,),
-        token_buckets=(16, 20, 24, 32, 48), modes=("sampled",), policy="alg1",
-        cost_profile=CostProfile.from_step_time(1.0, 0.003, max_tokens=64),
-    )  # fmt: skip
-    eng.warmup()
+    eng = _law_engine(tcfg, dcfg, tp, dp, (16, 20, 24, 32, 48))
     n = 6000
-
-    def run(seed0):
-        outs = eng.generate(
-            [prompt] * n, [RequestParams(3, temperature=1.0, seed=seed0 + i) for i in range(n)]
-        )
-        counts = np.zeros_like(law)
-        for o in outs:
-            counts[o.tokens[1], o.tokens[2]] += 1
-        return counts, outs
-
-    counts, outs = run(0)
+    counts, outs = _pair_counts(eng, prompt, law, n, 0)
     accepted = sum(sum(o.num_accepted) for o in outs)
     verified = [n for o in outs for n in o.proposed]
     assert accepted > n // 5, "drafts must be accepted for the test to mean anything"
     assert 0 < np.mean(verified) < 2, "the scheduler must actually vary the lengths"
-    # the joint law of (t2, t3) and the marginal of t2 (more power on one round's output)
-    for c, lw in ((counts, law), (counts.sum(1), law.sum(1))):
-        chi = _chisquare(c, lw)
-        assert chi.pvalue > 1e-3, chi
-
+    assert min(_pvalues(counts, law)) > 1e-3
     eng.set_policy(UnlikelyOnly(eng))
-    bad, _ = run(10**6)
-    chi_bad = min(_chisquare(c, lw).pvalue for c, lw in ((bad, law), (bad.sum(1), law.sum(1))))
-    assert chi_bad < 1e-6, chi_bad
+    bad, _ = _pair_counts(eng, prompt, law, n, 10**6)
+    assert min(_pvalues(bad, law)) < 1e-6
 
 
 @pytest.mark.slow
@@ -218,29 +225,11 @@ def test_gemma4_sampled_follows_target_law_and_rejects_biased_policy():
     prompt = [1, 2, 3]
     law = _exact_pair_law(tcfg, tp, prompt)
     assert law.max() < 0.5  # a law worth testing, not one token
-    eng = ServingEngine(
-        tcfg, dcfg, tp, dp, num_slots=16, max_len=32, prompt_buckets=(8,),
-        token_buckets=(16, 24, 48), modes=("sampled",), policy="alg1",
-        cost_profile=CostProfile.from_step_time(1.0, 0.003, max_tokens=64),
-    )  # fmt: skip
-    eng.warmup()
+    eng = _law_engine(tcfg, dcfg, tp, dp, (16, 24, 48))
     n = 6000
-
-    def run(seed0):
-        outs = eng.generate(
-            [prompt] * n, [RequestParams(3, temperature=1.0, seed=seed0 + i) for i in range(n)]
-        )
-        counts = np.zeros_like(law)
-        for o in outs:
-            counts[o.tokens[1], o.tokens[2]] += 1
-        return counts, outs
-
-    counts, outs = run(0)
+    counts, outs = _pair_counts(eng, prompt, law, n, 0)
     assert sum(sum(o.num_accepted) for o in outs) > n // 10, "drafts must be accepted"
-    for c, lw in ((counts, law), (counts.sum(1), law.sum(1))):
-        chi = _chisquare(c, lw)
-        assert chi.pvalue > 1e-3, chi
+    assert min(_pvalues(counts, law)) > 1e-3
     eng.set_policy(UnlikelyOnly(eng))
-    bad, _ = run(10**6)
-    chi_bad = min(_chisquare(c, lw).pvalue for c, lw in ((bad, law), (bad.sum(1), law.sum(1))))
-    assert chi_bad < 1e-6, chi_bad
+    bad, _ = _pair_counts(eng, prompt, law, n, 10**6)
+    assert min(_pvalues(bad, law)) < 1e-6

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from dspark_jax.errors import ConfigError
-from dspark_jax.train.memory import GIB, HEADROOM, _gib, sharded_bytes
+from dspark_jax.train.memory import GIB, HEADROOM, _gib, reported_limit, sharded_bytes
 
 _LOGIT_BUFFERS = 3  # logits, probabilities, and the sort / filter buffer of the filtered mode
 
@@ -90,15 +90,7 @@ def device_limit(mesh, device_memory_gib: float) -> int | None:
     if device_memory_gib > 0:
         return int(device_memory_gib * GIB)
     devices = jax.local_devices()[:1] if mesh is None else mesh.local_devices
-    limits = []
-    for d in devices:
-        try:
-            stats = d.memory_stats()
-        except Exception:  # noqa: BLE001 (backends without the query)
-            stats = None
-        if stats and stats.get("bytes_limit"):
-            limits.append(int(stats["bytes_limit"]))
-    return min(limits) if limits else None
+    return reported_limit(devices)
 
 
 def plan_engine_memory(tcfg, config, tparams, dparams, abstract_state, state_shardings, mesh):

@@ -96,8 +96,13 @@ def device_limit(mesh, cfg: TrainConfig) -> int | None:
     devices report (None on CPU, which reports none)."""
     if cfg.device_memory_gib > 0:
         return int(cfg.device_memory_gib * GIB)
+    return reported_limit(mesh.local_devices)
+
+
+def reported_limit(devices) -> int | None:
+    """The smallest `bytes_limit` that `devices` report (None when none does, as on CPU)."""
     limits = []
-    for d in mesh.local_devices:
+    for d in devices:
         try:
             stats = d.memory_stats()
         except Exception:  # noqa: BLE001 (backends without the query)
