@@ -318,7 +318,7 @@ def test_gemma4_config_checks(ckpts):
         cfg.replace(gemma=dataclasses.replace(cfg.gemma, layer_types=(S, S, F)))
     with pytest.raises(ConfigError, match="num_kv_shared_layers=3"):
         dataclasses.replace(cfg.gemma, layer_types=(S, S, S, F, F, F), num_kv_shared_layers=3)
-    with pytest.raises(ConfigError, match="Gemma 4 targets are not supported yet"):
-        DrafterConfig(target=cfg, mask_token_id=3)
+    # drafters take Gemma 4 targets (tests/test_gemma4_drafters.py): full attention throughout
+    assert set(DrafterConfig(target=cfg, mask_token_id=3).layer_config.gemma.layer_types) == {F}
     with pytest.raises(CheckpointError, match="saving a gemma4 target as HF is not supported"):
         save_target_hf(every, None, "/nonexistent/never-written")
