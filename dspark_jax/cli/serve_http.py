@@ -72,7 +72,7 @@ def add_subcommands(sub) -> None:
                    help="with --kv-layout paged (0: as many positions as --num-slots x --max-len)")  # fmt: skip
     s.add_argument("--device-memory-gib", type=float, default=0.0,
                    help="the devices' memory for the engine's plan (0: as they report; CPUs "
-                        "report none); an engine that cannot fit is refused before loading")  # fmt: skip
+                        "report none); an engine that cannot fit is refused before its KV cache is created")  # fmt: skip
     s.add_argument("--prefill-tokens-per-step", type=int, default=0,
                    help="prompt tokens prefilled per engine step (whole 512-token chunks, at "
                         "least one; 0: no bound): a long prompt is prefilled over several "
