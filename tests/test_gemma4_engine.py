@@ -19,6 +19,7 @@ import pytest
 from dspark_jax.config import Gemma4Config, TargetConfig
 from dspark_jax.engine import RequestParams, ServingEngine
 from dspark_jax.models import transformer as tf
+from dspark_jax.models.cache import ring_positions
 from dspark_jax.models.generate import generate
 from dspark_jax.models.packed import packed_forward, packed_forward_kv, write_kv
 from dspark_jax.testing import positions_like, random_params
@@ -63,28 +64,47 @@ def params():
     return random_params(CFG, 0)
 
 
+def _ring_of(dense, lengths, lookahead):
+    """`dense`'s K/V in the engine's layout (`init_cache(lookahead=...)`): each sliding layer's
+    ring holds the newest positions below each slot's length at position mod ring size."""
+    ring = tf.init_cache(CFG, dense.batch, dense.max_len, lookahead=lookahead)
+    rows = jnp.arange(dense.batch)[:, None]
+
+    def put(r, d):
+        if r.shape[2] == d.shape[2]:
+            return d
+        x = ring_positions(jnp.asarray(lengths) - 1, r.shape[2])  # [N, R]
+        got = d[rows, :, jnp.maximum(x, 0)].transpose(0, 2, 1, 3)  # [N, K, R, d]
+        return jnp.where((x >= 0)[:, None, :, None], got, 0)
+
+    return ring._replace(k=tuple(map(put, ring.k, dense.k)), v=tuple(map(put, ring.v, dense.v)),
+                         lengths=dense.lengths)  # fmt: skip
+
+
 def test_packed_forward_equals_the_full_pass(params):
     """Three slots with committed prefixes of 20, 31 and 26 tokens (> 2 sliding windows) and
     3, 5 and 0 new tokens (plus bucket padding): each valid token's logits and features equal
     the full pass over its slot's whole sequence, in the slot-major and the per-token gather
     layouts, writing or read-only (then `write_kv`), and with the tokens' own K/V read back from
-    the cache (`one_set`); a one-slot cache too."""
+    the cache (`one_set`); a one-slot cache too. Every form on the serving engine's cache (each
+    sliding layer a ring of window + 5 entries, which the prefixes wrap), two on the dense one;
+    all write the same K/V."""
     rng = np.random.default_rng(1)
     lengths, per_slot, pad = [20, 31, 26], [3, 5, 0], 2
     n, s_max, s_b, g = len(lengths), 48, 40, 5
     seqs = [rng.integers(0, V, size=ln + c) for ln, c in zip(lengths, per_slot)]
-    full = []  # the reference: each slot's sequence in one cache-free pass
-    for sq in seqs:
-        toks = jnp.asarray(sq, jnp.int32)[None]
-        full.append(tf.forward(CFG, params, toks, positions_like(toks))[0])
-    cache = tf.init_cache(CFG, n, s_max)
-    for i, (sq, ln) in enumerate(zip(seqs, lengths)):  # each slot's prefix through the cache
-        one = tf.init_cache(CFG, 1, s_max)
-        toks = jnp.asarray(sq[:ln], jnp.int32)[None]
-        _, one = tf.forward(CFG, params, toks, positions_like(toks), one)
-        put = functools.partial(lambda i, c, o: c.at[i].set(o[0]), i)
-        cache = cache._replace(k=tuple(map(put, cache.k, one.k)), v=tuple(map(put, cache.v, one.v)))
+    fwd = jax.jit(functools.partial(tf.forward, CFG))
+    width = max(map(len, seqs))
+    padded = jnp.asarray([np.pad(sq, (0, width - len(sq))) for sq in seqs], jnp.int32)
+    full = fwd(params, padded, positions_like(padded))[0]  # the reference: one cache-free pass
+    pos_all = positions_like(padded)
+    _, cache = fwd(
+        params, padded[:, : max(lengths)], pos_all[:, : max(lengths)], tf.init_cache(CFG, n, s_max)
+    )  # each slot's prefix (past it: never read)
     cache = cache.with_lengths(lengths)
+    ring = _ring_of(cache, lengths, g)
+    sliding = [i for i, k in enumerate(ring.k) if k.shape[2] < s_max]
+    assert sliding and all(ring.k[i].shape[2] == WINDOW + g for i in sliding)
     slot = np.concatenate([np.full(c, i) for i, c in enumerate(per_slot)] + [np.zeros(pad)])
     off = np.concatenate([np.arange(c) for c in per_slot] + [np.zeros(pad)])
     valid = np.arange(len(slot)) < sum(per_slot)
@@ -101,30 +121,34 @@ def test_packed_forward_equals_the_full_pass(params):
             return out, write_kv(cache, kv)
         return packed_forward(*args, slot_tokens=slot_tokens, one_set=one_set)
 
-    def check(out, idx, ref, ref_t):
-        np.testing.assert_allclose(out.logits[0, idx], ref.logits[0, ref_t], atol=TOL)
-        np.testing.assert_allclose(out.features[0, idx], ref.features[0, ref_t], atol=TOL)
+    def check(out, idx, ref_row, ref_t):
+        np.testing.assert_allclose(out.logits[0, idx], full.logits[ref_row, ref_t], atol=TOL)
+        np.testing.assert_allclose(out.features[0, idx], full.features[ref_row, ref_t], atol=TOL)
 
+    forms = [(g, False, False), (0, False, False), (g, True, False), (0, True, False),
+             (g, False, True), (0, False, True)]  # fmt: skip
     outs = {}
-    for form in [(g, False, False), (0, False, False), (g, True, False), (0, True, False),
-                 (g, False, True), (0, False, True)]:  # fmt: skip
-        out, c = run(*form, cache, toks, slot, pos, valid, off)
+    for c0, form in [(ring, f) for f in forms] + [(cache, forms[0]), (cache, forms[3])]:
+        out, c = run(*form, c0, toks, slot, pos, valid, off)
         for t in np.flatnonzero(np.asarray(valid)):
             s = int(slot[t])
-            check(out, t, full[s], lengths[s] + int(off[t]))
-        outs[form] = c
-    for c in outs.values():  # every form writes the same K/V
-        for a, b in zip(c.k + c.v, outs[(0, False, False)].k + outs[(0, False, False)].v):
+            check(out, t, s, lengths[s] + int(off[t]))
+        outs[form, c0 is ring] = c
+    ends = [ln + c for ln, c in zip(lengths, per_slot)]
+    want = _ring_of(outs[forms[0], False], ends, g)  # the dense writes, as rings
+    for key, c in outs.items():  # every form writes the same K/V
+        ref = want if key[1] else outs[forms[0], False]
+        for a, b in zip(c.k + c.v, ref.k + ref.v):
             np.testing.assert_allclose(a, b, atol=TOL / 10)
     # one slot (slot 1 alone): the tokens read its cache without the gather
-    one = cache._replace(k=tuple(x[1:2] for x in cache.k), v=tuple(x[1:2] for x in cache.v))
+    one = ring._replace(k=tuple(x[1:2] for x in ring.k), v=tuple(x[1:2] for x in ring.v))
     m = np.asarray(slot) == 1
     m &= np.asarray(valid)
     z = jnp.zeros((int(m.sum()),), jnp.int32)
     sel = lambda x: x[jnp.asarray(np.flatnonzero(m))]
     out, _ = run(0, False, False, one, sel(toks), z, sel(pos), sel(valid), sel(off))
     for j, t in enumerate(np.flatnonzero(m)):
-        check(out, j, full[1], lengths[1] + int(off[t]))
+        check(out, j, 1, lengths[1] + int(off[t]))
 
 
 def gemma_pair(gamma=4, mix=0.25, head_scale=8.0, markov_bias=500.0, seed=0):
@@ -174,10 +198,12 @@ def refs(pair, prompts):
 
 
 def _engine(pair, mode, **kw):
+    """Sliding layers keep rings of WINDOW + G + 1 = 13 entries; prompt chunks of 16 wrap them."""
     tcfg, tp, dcfg, dp = pair
+    kw = {"token_buckets": (8, 15), **kw}
     return ServingEngine(
-        tcfg, dcfg, tp, dp, num_slots=3, max_len=80, prompt_buckets=(16,), token_buckets=(8, 15),
-        cache_buckets=(80,), modes=(mode,), **kw,
+        tcfg, dcfg, tp, dp, num_slots=3, max_len=80, prompt_buckets=(16,), cache_buckets=(80,),
+        modes=(mode,), **kw,
     )  # fmt: skip
 
 
@@ -186,6 +212,9 @@ def test_engine_greedy_equals_plain_decoding(pair, prompts, refs):
     into freed slots): the engine's greedy output equals `models.generate` token for token, with
     drafts accepted and rejected (the target leaves the drafter's chain where its context says)."""
     eng = _engine(pair, "greedy")
+    cache = eng.programs.state.cache  # the sliding layers computing K/V keep rings
+    assert [k.shape[2] for k in cache.k] == [WINDOW + G + 1, WINDOW + G + 1, 80, WINDOW + G + 1]
+    assert eng.memory_plan.target_kv == sum(x.nbytes for x in jax.tree.leaves(cache))
     handles = []
     for k, (p, m) in enumerate(zip(prompts, MAX_NEW)):
         handles.append(eng.submit(p, RequestParams(m, temperature=0.0)))
@@ -204,10 +233,11 @@ def test_engine_greedy_equals_plain_decoding(pair, prompts, refs):
 
 
 def test_sampled_mode_greedy_row_and_neighbour_independence(pair, prompts, refs):
-    """On an engine compiled for temperature sampling: a T = 0 request equals greedy decoding, and
-    a sampled request's output does not depend on its neighbours (draws keyed by seed and
-    position)."""
-    eng = _engine(pair, "sampled")
+    """On an engine compiled for temperature sampling, three rounds per call (verify forwards that
+    only read the cache, then `write_kv`, and the one-key-set form): a T = 0 request equals
+    greedy decoding, and a sampled request's output does not depend on its neighbours (draws
+    keyed by seed and position)."""
+    eng = _engine(pair, "sampled", rounds_per_call=3, token_buckets=(15,))
     p = RequestParams(16, temperature=0.9, seed=11)
     alone = eng.generate([prompts[1]], p)[0].tokens
     h = [eng.submit(prompts[0], RequestParams(MAX_NEW[0], temperature=0.0)),

@@ -32,7 +32,7 @@ from dspark_jax import drafters
 from dspark_jax.models import generate as gen
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.generate import sample_tokens
-from dspark_jax.models.packed import packed_forward, packed_forward_kv
+from dspark_jax.models.packed import packed_forward, packed_forward_kv, write_kv
 from dspark_jax.spec import rng as rng_lib
 from dspark_jax.spec.verify import verify_core
 
@@ -56,7 +56,7 @@ class RoundOut(NamedTuple):
 def init_state(tcfg, dcfg, num_slots: int, max_len: int) -> SlotState:
     g, v = dcfg.block_size, tcfg.vocab_size
     return SlotState(
-        cache=tf.init_cache(tcfg, num_slots, max_len),
+        cache=tf.init_cache(tcfg, num_slots, max_len, lookahead=g + 1),  # Gemma 4: rings
         ctx=drafters.init_context(dcfg, num_slots, max_len),
         anchor=jnp.zeros((num_slots,), jnp.int32),
         rounds=jnp.zeros((num_slots,), jnp.int32),
@@ -156,10 +156,7 @@ def prefill_chunk(spec: PrefillSpec, tparams, dparams, state: SlotState, inp: Pr
         _take_slot_prefix(state.cache.v, slot, s_b),
         start[None],
     )
-    # the target's prefill is generate's, fed at the chunk's offset in the slot
-    logits, out, cache1 = gen.prefill(
-        tcfg, tparams, tokens_C[None], n_valid[None], cache1, start_B=start[None]
-    )  # logits [1, V]
+    logits, out, cache1 = _prefill_target(tcfg, tparams, tokens_C, start, n_valid, cache1, s_b)
     seed1 = seed[None]
     pos1 = (start + n_valid)[None]
     first = sample_tokens(logits, rng_lib.stream_key(key, rng_lib.SAMPLE), seed1, pos1, sp1, scfg)
@@ -186,6 +183,24 @@ def prefill_chunk(spec: PrefillSpec, tparams, dparams, state: SlotState, inp: Pr
         prop_conf=_put_slot(state.prop_conf, conf, slot),
     )
     return state, jnp.where(chunk_finite(logits, out.hidden, n_valid), first[0], -1), conf[0]
+
+
+def _prefill_target(tcfg, tparams, tokens_C, start, n_valid, cache1, cache_len):
+    """(logits [1, V] at the last valid token, ForwardOut [1, C, ...], the one-slot cache with the
+    chunk's K/V) for prompt tokens [start, start + n_valid). Generate's prefill, fed at the
+    chunk's offset in the slot; with Gemma 4 sliding-layer rings the packed forward, which
+    reads the cache before writing it (a chunk may bring more tokens than a ring holds)."""
+    if all(k.shape[2] == cache1.max_len for k in cache1.k):
+        return gen.prefill(tcfg, tparams, tokens_C[None], n_valid[None], cache1,
+                           start_B=start[None])  # fmt: skip
+    c = tokens_C.shape[0]
+    off = jnp.arange(c, dtype=jnp.int32)
+    slot, valid = jnp.zeros((c,), jnp.int32), off < n_valid
+    out, kv = packed_forward_kv(tcfg, tparams, tokens_C, slot, off, start + off, valid, cache1,
+                                cache_len, compute_logits=False)  # fmt: skip
+    last = jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1, keepdims=True)  # [1, H]
+    logits = tf.build(tcfg, tparams).logits(last[None])[:, 0]
+    return logits, out, write_kv(cache1, kv).with_lengths(start[None] + n_valid)
 
 
 def chunk_finite(logits_1xV, hidden_1xCxH, n_valid):

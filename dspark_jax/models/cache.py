@@ -29,7 +29,11 @@ class KVCache(NamedTuple):
 
     One entry per layer that computes K/V: every layer of `transformer.py`; in Gemma 4 the first
     `num_layers - num_kv_shared_layers` layers (the KV-shared ones read those), with each layer's
-    own n_kv and d_h (its global layers have their own head geometry)."""
+    own n_kv and d_h (its global layers have their own head geometry).
+
+    A Gemma 4 sliding layer's entry may be a ring of R < max_len entries (the serving engine's,
+    `gemma4.ring_len`): position p lives at index p mod R, and the positions an entry holds are
+    read off `ring_positions`. With R = max_len the ring is the dense layout (p at index p)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -37,7 +41,8 @@ class KVCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        """Positions per slot: the longest entry's (a sliding layer's ring may be shorter)."""
+        return max(k.shape[2] for k in self.k)
 
     @property
     def batch(self) -> int:
@@ -46,3 +51,19 @@ class KVCache(NamedTuple):
     def with_lengths(self, lengths) -> KVCache:
         """Commit / roll back: only the length moves, K/V past it are simply never read."""
         return self._replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+
+def ring_positions(top_X: jax.Array, size: int) -> jax.Array:
+    """[X, size]: the position each entry of a ring of `size` entries holds when `top` is the
+    newest position written and every position before it was written in order (an entry not
+    written yet, or a row with top < 0: a negative position). For `size` past top this is the
+    dense layout: entry j holds position j for j <= top."""
+    j = jnp.arange(size, dtype=jnp.int32)[None, :]
+    top = top_X[:, None].astype(jnp.int32)
+    return top - jnp.mod(top - j, size)
+
+
+def ring_index(pos_X: jax.Array, size: int, max_len: int) -> jax.Array:
+    """Where position `pos` is written in a ring of `size` entries: pos mod size, and `size`
+    (out of range: the write is dropped) for positions >= `max_len` (padding)."""
+    return jnp.where(pos_X < max_len, jnp.mod(pos_X, size), size).astype(jnp.int32)

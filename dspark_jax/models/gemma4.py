@@ -11,9 +11,10 @@ them an optional per-layer input; the layer's output times a learned scalar. The
 scaled by sqrt(H), the logits soft-capped, the head tied or not.
 
 KV cache: the dense cache of `transformer.py` with one entry per layer that computes K/V (the
-KV-shared last layers read their source layer's entry, `Gemma4Config.kv_source`). Sliding
-layers keep the whole cache and see their window by masking: correct, not yet memory-lean (the
-serving engine's ring buffer of `sliding_window + γ + 1` is a later step).
+KV-shared last layers read their source layer's entry, `Gemma4Config.kv_source`); here sliding
+layers keep the whole context and see their window by masking. The serving engine's slot state
+gives each sliding layer a ring of `sliding_window + γ + 1` entries instead (`ring_len`,
+`init_cache(lookahead=γ + 1)`), which its packed forwards read and write (`models/packed.py`).
 
 Each layer exposes `attention_inputs` (norm, q and its own k / v) and `finish` (everything after
 attention), the model `embed` and `kv_source`, as `transformer.py`'s do: `__call__` and the
@@ -194,6 +195,8 @@ class Gemma4(nnx.Module):
         x, inputs = self.embed(tokens_BxT)
         if cache is None:
             key_pos = positions_BxT
+        elif any(k.shape[2] != cache.max_len for k in cache.k):
+            raise ValueError("a cache with sliding-layer rings is read by models.packed only")
         else:
             s = cache.max_len
             key_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (tokens_BxT.shape[0], s))
@@ -215,11 +218,31 @@ class Gemma4(nnx.Module):
         return outputs(self, x, feats, compute_logits), cache
 
 
-def init_cache(cfg: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """Zeros for each layer that computes K/V, in that layer's geometry [B, n_kv, S, d]."""
+def ring_len(cfg: TargetConfig, max_len: int, lookahead: int | None) -> int:
+    """Entries of a sliding layer's cache: `sliding_window + lookahead` (a ring: the window of
+    the oldest query plus the tokens one call writes per slot, so a call never overwrites a key
+    it or a later call still reads; the serving engine's lookahead is γ + 1), or `max_len`
+    (dense) when that is no longer, when `lookahead` is None, or when no global layer computes
+    K/V (an all-sliding model's cache length would be the ring's)."""
+    g = cfg.gemma
+    n = cfg.num_layers - g.num_kv_shared_layers
+    has_global = any(g.layer_types[i] != SLIDING for i in range(n))
+    if lookahead is None or not has_global:
+        return max_len
+    return min(max_len, g.sliding_window + lookahead)
+
+
+def init_cache(cfg: TargetConfig, batch: int, max_len: int, dtype=None,
+               lookahead: int | None = None) -> KVCache:  # fmt: skip
+    """Zeros for each layer that computes K/V, in that layer's geometry [B, n_kv, S, d]: S =
+    max_len, a sliding layer's `ring_len(cfg, max_len, lookahead)`."""
     dt = dtype_of(cfg.dtype) if dtype is None else dtype
-    n = cfg.num_layers - cfg.gemma.num_kv_shared_layers
-    shapes = [attention_shape(cfg, i) for i in range(n)]
-    k = tuple(jnp.zeros((batch, s.num_kv_heads, max_len, s.head_dim), dt) for s in shapes)
-    v = tuple(jnp.zeros((batch, s.num_kv_heads, max_len, s.head_dim), dt) for s in shapes)
-    return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
+    g = cfg.gemma
+    ring = ring_len(cfg, max_len, lookahead)
+    k, v = [], []
+    for i in range(cfg.num_layers - g.num_kv_shared_layers):
+        s = attention_shape(cfg, i)
+        n = ring if g.layer_types[i] == SLIDING else max_len
+        k.append(jnp.zeros((batch, s.num_kv_heads, n, s.head_dim), dt))
+        v.append(jnp.zeros((batch, s.num_kv_heads, n, s.head_dim), dt))
+    return KVCache(tuple(k), tuple(v), jnp.zeros((batch,), jnp.int32))

@@ -43,8 +43,13 @@ This composes the target's own layers (`transformer.DecoderLayer`, `gemma4.Gemma
 `attention_inputs` and `finish`, the model's `embed` and `kv_source`) and `layers.attend`, and
 swaps only each layer's cache step, so a packed forward equals the batched one up to float
 reassociation. Gemma 4: a sliding layer's window is a mask on the cache prefix and on the
-call's own tokens (key position > query position - window; the whole cache is kept), a
-KV-shared layer attends to its source layer's cache entry and new K/V, scores are unscaled.
+call's own tokens (key position > query position - window), a KV-shared layer attends to its
+source layer's cache entry and new K/V, scores are unscaled. A sliding layer's entry shorter
+than the cache is a ring (`cache.ring_positions`: position p at index p mod R, the serving
+engine's R = window + γ + 1): it is read whole, and written at p mod R. Writing before reading
+(`packed_forward`) then needs at most R - window + 1 tokens per slot, so a token never overwrites
+a key a query of the same call still reads (the verify's γ + 1); `packed_forward_kv` + `write_kv`
+take any number (a prefill chunk).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ import jax.numpy as jnp
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models import transformer as tf
-from dspark_jax.models.cache import outputs
+from dspark_jax.models.cache import outputs, ring_index, ring_positions
 from dspark_jax.models.layers import attend
 
 # The slot-major layout's padded query rows (slots x slot_tokens) at most this many times the
@@ -90,10 +95,18 @@ class NewKV(NamedTuple):
 
 
 def write_kv(cache: tf.KVCache, kv: NewKV) -> tf.KVCache:
-    """The cache with `kv`'s tokens written at [slot, :, pos] (lengths unchanged)."""
-    rows = kv.slot[None, :]
-    pos = jnp.minimum(kv.pos, cache.max_len)[None, :]  # past the cache: dropped
-    put = lambda c, x: _put(c, rows, jnp.arange(c.shape[1])[:, None], pos, x)  # layer's heads
+    """The cache with `kv`'s tokens written at [slot, :, pos] (lengths unchanged); a ring entry
+    (a Gemma 4 sliding layer's) takes each slot's newest `size` of them at pos mod size, so a
+    slot may bring more tokens than its ring holds (a prefill chunk)."""
+    s_max, rows = cache.max_len, kv.slot[None, :]
+    pos = jnp.minimum(kv.pos, s_max)  # past the cache: dropped
+    top = jax.ops.segment_max(jnp.where(pos < s_max, pos, -1), kv.slot, cache.batch)[kv.slot]
+
+    def put(c, x):
+        size = c.shape[2]
+        at = ring_index(jnp.where(pos > top - size, pos, s_max), size, s_max)
+        return _put(c, rows, jnp.arange(c.shape[1])[:, None], at[None], x)  # the layer's heads
+
     return cache._replace(k=tuple(map(put, cache.k, kv.k)), v=tuple(map(put, cache.v, kv.v)))
 
 
@@ -152,10 +165,12 @@ class _Layout(NamedTuple):
 
 
 def _layout(cache, cache_len, slot_T, offset_T, pos_T, valid_T, slot_tokens, one_set,
-            window=None) -> _Layout:  # fmt: skip
+            window=None, ring=None) -> _Layout:  # fmt: skip
     """The layout and its masks; `window` (a Gemma 4 sliding layer's; None: full attention)
     also hides keys `window` or more positions before the query, in the prefix and among the
-    call's own tokens (a slot's tokens sit at consecutive positions: offsets stand for them)."""
+    call's own tokens (a slot's tokens sit at consecutive positions: offsets stand for them).
+    `ring`: the layer's cache entry is a ring of that many entries (`cache.ring_positions`;
+    None: dense), read over its first `cache_len` entries."""
     t = slot_T.shape[0]
     base_T = jnp.where(valid_T, pos_T - offset_T, 0)  # the slot's committed length (padding: 0)
     key_idx = jnp.arange(cache_len, dtype=jnp.int32)
@@ -165,22 +180,30 @@ def _layout(cache, cache_len, slot_T, offset_T, pos_T, valid_T, slot_tokens, one
     # first wins once the padded rows are at most SLOT_MAJOR_PAD x the tokens
     by_slot = not one_slot and 0 < n_slots * slot_tokens <= SLOT_MAJOR_PAD * t
     g, row, back = int(slot_tokens), None, None
-    # keys after the query's window start (everything without a window); by_slot: per row
-    after = lambda pos: True if window is None else key_idx[None, :] > pos[:, None] - window
+
+    def seen(top, pos):
+        """[X, cache_len]: the cache entries a query at `pos` reads when `top` is the newest
+        position it may see there (entries past top, and keys outside its window, hidden)."""
+        if ring is None:
+            keys, ok = key_idx[None, :], key_idx[None, :] <= top[:, None]
+        else:
+            keys = ring_positions(top, ring)[:, :cache_len]
+            ok = keys >= 0
+        return ok if window is None else ok & (keys > pos[:, None] - window)
+
     if by_slot:  # slot-major query layout [N * G] for attention
         row = jnp.where(valid_T, slot_T * g + offset_T, n_slots * g)  # out of range: dropped
         valid_NG = jnp.zeros((n_slots * g,), bool).at[row].set(True, mode="drop")
         base_NG = jnp.zeros((n_slots * g,), jnp.int32).at[row].set(base_T, mode="drop")
         pos_NG = jnp.zeros((n_slots * g,), jnp.int32).at[row].set(pos_T, mode="drop")
-        m_ctx = (key_idx[None, :] < base_NG[:, None]) & after(pos_NG)
-        m_ctx = m_ctx.reshape(1, n_slots, g, cache_len)
+        m_ctx = seen(base_NG - 1, pos_NG).reshape(1, n_slots, g, cache_len)
         own = valid_NG.reshape(n_slots, 1, g) & valid_NG.reshape(n_slots, g, 1)
         j, i = jnp.arange(g)[None, :], jnp.arange(g)[:, None]
         near = (j <= i) if window is None else (j <= i) & (j > i - window)
         m_own = (own & near)[None]  # [1, N, G, G]
         back = jnp.minimum(row, n_slots * g - 1)  # token t's row (padding tokens: any row)
     else:  # token-major: the prefix (per token), this call's tokens of the same slot (shared)
-        m_ctx = ((key_idx[None, :] < base_T[:, None]) & after(pos_T))[None, :, None, :]
+        m_ctx = seen(base_T - 1, pos_T)[None, :, None, :]
         j, i = offset_T[None, :], offset_T[:, None]
         near = (j <= i) if window is None else (j <= i) & (j > i - window)
         same = (slot_T[None, :] == slot_T[:, None]) & near
@@ -189,10 +212,9 @@ def _layout(cache, cache_len, slot_T, offset_T, pos_T, valid_T, slot_tokens, one
         upto_T = jnp.where(valid_T, pos_T, -1)
         if by_slot:
             upto_NG = jnp.full((n_slots * g,), -1, jnp.int32).at[row].set(upto_T, mode="drop")
-            m_ctx = (key_idx[None, :] <= upto_NG[:, None]) & after(upto_NG)
-            m_ctx = m_ctx.reshape(1, n_slots, g, cache_len)
+            m_ctx = seen(upto_NG, upto_NG).reshape(1, n_slots, g, cache_len)
         else:
-            m_ctx = ((key_idx[None, :] <= upto_T[:, None]) & after(upto_T))[None, :, None, :]
+            m_ctx = seen(upto_T, upto_T)[None, :, None, :]
     return _Layout(by_slot, one_slot, n_slots, g, row, back, m_ctx, m_own)
 
 
@@ -234,8 +256,8 @@ def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cac
     cache_len = min(int(cache_len), s_max)
     x, inputs = model.embed(tokens_T[None])  # [1, T, H], Gemma 4: per-layer inputs [1, T, L, P]
     pos_1xT = pos_T[None].astype(jnp.int32)
-    args = (cache, cache_len, slot_T, offset_T, pos_T, valid_T, slot_tokens, one_set)
-    lays = {w: _layout(*args, w) for w in {layer.window for layer in model.layers}}
+    args = (cache, slot_T, offset_T, pos_T, valid_T, slot_tokens, one_set)
+    lays = {}  # per (window, ring, entries read): the layout and its masks
     write_T = jnp.where(valid_T, pos_T, s_max).astype(jnp.int32)  # s_max: dropped
     rows = slot_T[None, :]
     feats, kvs, new_k, new_v, out_k, out_v = {}, {}, [], [], [], []
@@ -244,20 +266,25 @@ def _forward(cfg, params, tokens_T, slot_T, offset_T, pos_T, valid_T, cache, cac
         q, k, v = layer.attention_inputs(x, pos_1xT)
         src = model.kv_source(i)
         if src == i:
-            ck, cv = cache.k[i], cache.v[i]  # [N, K, S, d]
+            ck, cv = cache.k[i], cache.v[i]  # [N, K, S, d] (a ring: S < s_max)
+            size = ck.shape[2]
             if write:  # then read: in place (a write after the reads made XLA copy the cache)
-                heads = jnp.arange(ck.shape[1])[:, None]
+                heads, at = jnp.arange(ck.shape[1])[:, None], ring_index(write_T, size, s_max)
                 ck, cv = (
-                    _put(ck, rows, heads, write_T[None], k[0]),
-                    _put(cv, rows, heads, write_T[None], v[0]),
+                    _put(ck, rows, heads, at[None], k[0]),
+                    _put(cv, rows, heads, at[None], v[0]),
                 )
                 out_k.append(ck)
                 out_v.append(cv)
             new_k.append(k[0])
             new_v.append(v[0])
-            kvs[i] = (k, v, ck[:, :, :cache_len], cv[:, :, :cache_len])  # [N, K, S_b, d]
-        k, v, ck, cv = kvs[src]
-        a = _attend_cached(lays[layer.window], q, k, v, ck, cv, slot_T, one_set, layer.scale)
+            s_b = min(cache_len, size)  # [N, K, S_b, d]
+            kvs[i] = (k, v, ck[:, :, :s_b], cv[:, :, :s_b], size if size < s_max else None)
+        k, v, ck, cv, ring = kvs[src]
+        key = (layer.window, ring, ck.shape[2])
+        if key not in lays:
+            lays[key] = _layout(args[0], ck.shape[2], *args[1:], layer.window, ring)
+        a = _attend_cached(lays[key], q, k, v, ck, cv, slot_T, one_set, layer.scale)
         x = layer.finish(x, a, None if inputs is None else inputs[:, :, i])
         if i in cfg.target_layer_ids:
             feats[cfg.target_layer_ids.index(i)] = x

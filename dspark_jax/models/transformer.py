@@ -176,9 +176,13 @@ def model_class(cfg: TargetConfig):
     return gemma4.Gemma4 if cfg.architecture == "gemma4" else Transformer
 
 
-def init_cache(cfg: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+def init_cache(cfg: TargetConfig, batch: int, max_len: int, dtype=None,
+               lookahead: int | None = None) -> KVCache:  # fmt: skip
+    """Zeros [B, n_kv, max_len, d_h] per layer. `lookahead` (the serving engine's γ + 1): a
+    Gemma 4 sliding layer keeps a ring of its window plus that many entries (`gemma4.ring_len`),
+    which only `models.packed` reads; other layers and families ignore it."""
     if cfg.architecture == "gemma4":
-        return gemma4.init_cache(cfg, batch, max_len, dtype)
+        return gemma4.init_cache(cfg, batch, max_len, dtype, lookahead)
     dt = dtype_of(cfg.dtype) if dtype is None else dtype
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     z = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
