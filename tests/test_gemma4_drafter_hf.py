@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from dspark_jax.drafters import api
@@ -133,10 +134,8 @@ def random_drafter(kind: str, target=PLAIN, seed=0, **kw):
     """A drafter config and params with every tensor random (norms and layer scalars too)."""
     cfg = drafter(kind, target, **kw)
     rng = np.random.default_rng(seed)
-    params = jax.tree.map(
-        lambda x: x + 0.2 * rng.normal(size=x.shape).astype(x.dtype), api.init_params(cfg)
-    )
-    return cfg, params
+    abstract = nnx.eval_shape(lambda: api.init_params(cfg))  # filled without compiling
+    return cfg, jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), abstract)
 
 
 def outputs(cfg, params) -> list[np.ndarray]:
@@ -197,6 +196,19 @@ def test_reference_layout_loads_and_computes_the_same(tmp_path, kind):
         ours = json.load(f)
     assert ours == {k: config[k] for k in ours}
     assert set(load_file(tmp_path / "ours" / "model.safetensors")) == set(tensors)
+
+
+def test_per_layer_config_form_loads(tmp_path):
+    """transformers >= 5.25 writes the global geometry as `per_layer_config` (one entry per
+    full-attention layer) instead of global_head_dim / num_global_key_value_heads."""
+    cfg, params = random_drafter("dflash")
+    config = reference_config("dflash")
+    del config["global_head_dim"], config["num_global_key_value_heads"]
+    over = {"head_dim": 32, "num_key_value_heads": 1}
+    config["per_layer_config"] = {str(i): over for i in range(LAYERS)}
+    write(tmp_path, reference_tensors("dflash", params), config)
+    assert load_hf_drafter(tmp_path, PLAIN)[0] == cfg
+    assert load_hf_drafter(tmp_path)[0].layer_config == cfg.layer_config
 
 
 @pytest.mark.parametrize(

@@ -102,11 +102,13 @@ def expected_drafter_tensors(cfg: DrafterConfig) -> dict[str, tuple[str, tuple, 
 def drafter_config_from_hf(
     hf: Mapping[str, Any], target: TargetConfig | None = None, *, dtype: str = "float32", **kw
 ) -> DrafterConfig:
-    """The DrafterConfig of a drafter `config.json` (a copy of the target config with the
-    drafter's layer count and the DSpark/Eagle3 fields).
+    """The DrafterConfig of a drafter `config.json` (a copy of the target config, Gemma 4: its
+    text config, with the drafter's layer count and the DSpark/Eagle3 fields).
 
     `target` is the target's config; without it, it is rebuilt from the drafter config using
-    `num_target_layers`. `kw` overrides training-only fields (loss weights, num_anchors, ...).
+    `num_target_layers` (Gemma 4: that many full-attention layers, the sliding ones being
+    unknown; the draft layers are the same). `kw` overrides training-only fields (loss weights,
+    num_anchors, ...).
     """
     hf = dict(hf)
     archs = " ".join(hf.get("architectures") or [])
