@@ -24,9 +24,10 @@ from safetensors.numpy import load_file, save_file
 from dspark_jax.drafters import api
 from dspark_jax.drafters.dspark import teacher_forced
 from dspark_jax.drafters.eagle3 import ttt_hidden
-from dspark_jax.drafters.hf import load_hf_drafter, save_hf_drafter
+from dspark_jax.drafters.hf import drafter_config_from_hf, load_hf_drafter, save_hf_drafter
 from dspark_jax.errors import CheckpointError
 from dspark_jax.models.hf_gemma4 import gemma4_config, gemma4_text_config_dict
+from dspark_jax.testing import tiny_target_config
 from dspark_jax.train.anchors import make_blocks
 from tests.test_gemma4_drafters import TCFG, drafter
 from tests.test_gemma4_engine import WINDOW, V, gemma_config
@@ -300,3 +301,8 @@ def test_malformed_checkpoints_fail_with_one_line(tmp_path, mutate, match):
     with pytest.raises(CheckpointError, match=match) as e:
         load_hf_drafter(tmp_path, PLAIN)
     assert "\n" not in str(e.value)
+
+
+def test_gemma4_drafter_for_another_architecture_is_refused():
+    with pytest.raises(CheckpointError, match="Gemma 4 drafter's but the target is qwen3"):
+        drafter_config_from_hf(reference_config("dflash"), tiny_target_config())

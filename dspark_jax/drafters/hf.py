@@ -214,7 +214,8 @@ def _gemma4_drafter_target(hf, target: TargetConfig | None, layer_ids, dtype) ->
             raise CheckpointError(f"drafter config.json: {e}") from e
     if target.gemma is None:
         raise CheckpointError(
-            f"drafter config.json is a Gemma 4 drafter's; the target is {target.architecture}"
+            f"drafter config.json is a Gemma 4 drafter's but the target is {target.architecture}"
+            "; pass the Gemma 4 target it was trained for"
         )
     diff = [
         f"{f} {getattr(a, f)} vs {getattr(b, f)}"
