@@ -32,7 +32,6 @@ from dspark_jax.drafters.eagle3 import (
     ttt_hidden,
 )
 from dspark_jax.engine import RequestParams, ServingEngine
-from dspark_jax.errors import ConfigError
 from dspark_jax.models.generate import generate
 from dspark_jax.testing import drafter_batch, random_params
 from dspark_jax.train import losses
@@ -203,11 +202,3 @@ def test_engine_greedy_equals_plain_decoding(kind, target):
     )  # fmt: skip
     outs = eng.generate(prompts, RequestParams(9, temperature=0.0))
     assert [o.tokens for o in outs] == refs
-
-
-def test_checkpoint_format_refused():
-    """The reference's Gemma 4 drafter checkpoint format is not implemented: one line naming it."""
-    from dspark_jax.drafters.hf import hf_drafter_config_dict
-
-    with pytest.raises(ConfigError, match="gemma4 drafter checkpoint format"):
-        hf_drafter_config_dict(drafter("dflash"))

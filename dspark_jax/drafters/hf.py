@@ -3,9 +3,11 @@
     cfg, params = load_hf_drafter("/ckpt/dspark_qwen3_4b_block7", target=target_cfg)
     save_hf_drafter(cfg, params, "/out/my-drafter")   # the same layout back
 
-Names are the PyTorch module paths of the reference drafters, without a "model." prefix
-(REFERENCE §2.1, §3, §5.1). Linear weights are [out, in] there and [in, out] (`kernel`) here, so
-they are transposed; embeddings, the Markov table W1 and norms are not:
+config.json is a copy of the target's (Gemma 4: its *text* config) with the drafter's layer count,
+every layer full attention, untied, plus the DSpark / Eagle3 fields. Names are the PyTorch module
+paths of the reference drafters, without a "model." prefix (REFERENCE §2.1, §2.10, §3, §5.1).
+Linear weights are [out, in] there and [in, out] (`kernel`) here, so they are transposed;
+embeddings, the Markov table W1, norms and the layer scalar are not:
 
     embed_tokens.weight [V, H]                      frozen.embed_tokens
     lm_head.weight [V, H]                           frozen.lm_head            [H, V]
@@ -14,6 +16,9 @@ they are transposed; embeddings, the Markov table W1 and norms are not:
     layers.i.{input_layernorm,post_attention_layernorm}.weight
     layers.i.self_attn.{q,k,v,o}_proj.weight (+ .bias for Qwen2), .{q,k}_norm.weight (Qwen3)
     layers.i.mlp.{gate,up,down}_proj.weight
+    Gemma 4 layers (HF `Gemma4TextDecoderLayer`, global geometry): also
+      layers.i.{pre,post}_feedforward_layernorm.weight, layers.i.layer_scalar [1], the q/k
+      norms, and no v_proj when attention_k_eq_v; norm weights as stored (y = w·x̂)
     markov_head.markov_w1.weight [V, r]             markov_head.markov_w1     [V, r]
     markov_head.markov_w2.weight [V, r]             markov_head.markov_w2.kernel [r, V]
     markov_head.gate_proj.{weight [r, H+r], bias}   (gated head)
@@ -27,6 +32,7 @@ headers before any weight is read; a failure raises `CheckpointError` naming the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -57,9 +63,10 @@ from dspark_jax.models.hf import (
     to_host,
     weight_files,
 )
+from dspark_jax.models.hf_gemma4 import FULL, gemma4_text_config_dict, is_gemma4
 from dspark_jax.sched.sts import STS
 
-_ARCH_PREFIX = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
+_ARCH_PREFIX = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama", "gemma4": "Gemma4"}
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
@@ -76,18 +83,8 @@ def hf_drafter_name(path: tuple) -> tuple[str, bool]:
     return ".".join(parts), transpose
 
 
-def _require_hf_format(cfg: DrafterConfig):
-    """Refuse a drafter whose checkpoint format is not implemented (one line naming it)."""
-    if cfg.target.architecture not in _ARCH_PREFIX:
-        raise ConfigError(
-            f"the {cfg.target.architecture} drafter checkpoint format (load / export) is not "
-            "supported yet (issue 41); train and serve the drafter in memory"
-        )
-
-
 def expected_drafter_tensors(cfg: DrafterConfig) -> dict[str, tuple[str, tuple, tuple, bool]]:
     """HF name -> (collection "trainable"|"frozen", our path, HF shape, transposed?)."""
-    _require_hf_format(cfg)
     abstract = nnx.eval_shape(lambda: init_params(cfg))
     out = {}
     for coll, state in (("trainable", abstract.trainable), ("frozen", abstract.frozen)):
@@ -105,11 +102,13 @@ def expected_drafter_tensors(cfg: DrafterConfig) -> dict[str, tuple[str, tuple, 
 def drafter_config_from_hf(
     hf: Mapping[str, Any], target: TargetConfig | None = None, *, dtype: str = "float32", **kw
 ) -> DrafterConfig:
-    """The DrafterConfig of a drafter `config.json` (a copy of the target config with the
-    drafter's layer count and the DSpark/Eagle3 fields).
+    """The DrafterConfig of a drafter `config.json` (a copy of the target config, Gemma 4: its
+    text config, with the drafter's layer count and the DSpark/Eagle3 fields).
 
     `target` is the target's config; without it, it is rebuilt from the drafter config using
-    `num_target_layers`. `kw` overrides training-only fields (loss weights, num_anchors, ...).
+    `num_target_layers` (Gemma 4: that many full-attention layers, the sliding ones being
+    unknown; the draft layers are the same). `kw` overrides training-only fields (loss weights,
+    num_anchors, ...).
     """
     hf = dict(hf)
     archs = " ".join(hf.get("architectures") or [])
@@ -127,13 +126,10 @@ def drafter_config_from_hf(
         if need not in hf:
             raise CheckpointError(f"drafter config.json lacks {need!r}")
     layer_ids = tuple(int(i) for i in hf["target_layer_ids"])
-    if target is None:
-        if "num_target_layers" not in hf:
-            raise CheckpointError(
-                "drafter config.json has no num_target_layers: pass target=<the target's "
-                "TargetConfig> to load_hf_drafter"
-            )
-        t = dict(hf, num_hidden_layers=int(hf["num_target_layers"]), tie_word_embeddings=False)
+    if _is_gemma4_drafter(hf):
+        target = _gemma4_drafter_target(hf, target, layer_ids, dtype)
+    elif target is None:
+        t = dict(hf, num_hidden_layers=_num_target_layers(hf), tie_word_embeddings=False)
         t["architectures"] = [
             a.replace("DSparkModel", "ForCausalLM").replace("Eagle3Model", "ForCausalLM")
             for a in hf.get("architectures") or []
@@ -174,6 +170,70 @@ def drafter_config_from_hf(
         raise CheckpointError(f"drafter config.json: {e}") from e
 
 
+def _num_target_layers(hf: Mapping[str, Any]) -> int:
+    if "num_target_layers" not in hf:
+        raise CheckpointError(
+            "drafter config.json has no num_target_layers: pass target=<the target's "
+            "TargetConfig> to load_hf_drafter"
+        )
+    return int(hf["num_target_layers"])
+
+
+def _is_gemma4_drafter(hf: Mapping[str, Any]) -> bool:
+    return is_gemma4(hf) or any(a.startswith("Gemma4") for a in hf.get("architectures") or [])
+
+
+# what a Gemma 4 drafter's layers copy from the target (`DrafterConfig.layer_config`)
+_GEMMA4_LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_heads", "rms_norm_eps")
+_GEMMA4_GLOBAL_FIELDS = (
+    "global_head_dim",
+    "global_kv_heads",
+    "k_eq_v",
+    "global_rope_theta",
+    "global_rope_fraction",
+    "global_rope_factor",
+    "final_logit_softcapping",
+)
+
+
+def _gemma4_drafter_target(hf, target: TargetConfig | None, layer_ids, dtype) -> TargetConfig:
+    """The target of a Gemma 4 drafter config.json (a copy of the target's text config with
+    the drafter's layers): `target`, refused if the drafter's layers differ from its global
+    layers; without it, one rebuilt from the copy (`num_target_layers` full-attention layers).
+    What the draft layers never have (KV sharing, experts, per-layer inputs) is read as off."""
+    n = int(hf.get("num_hidden_layers", 0))
+    off = dict(num_kv_shared_layers=0, enable_moe_block=False, hidden_size_per_layer_input=0)
+    text = dict(hf, model_type="gemma4_text", layer_types=[FULL] * n, **off)
+    own = config_from_hf(text, dtype=dtype, target_layer_ids=())
+    if target is None:
+        nt = _num_target_layers(hf)
+        g = dataclasses.replace(own.gemma, layer_types=(FULL,) * nt)
+        try:
+            return own.replace(num_layers=nt, target_layer_ids=layer_ids, gemma=g)
+        except ConfigError as e:
+            raise CheckpointError(f"drafter config.json: {e}") from e
+    if target.gemma is None:
+        raise CheckpointError(
+            f"drafter config.json is a Gemma 4 drafter's but the target is {target.architecture}"
+            "; pass the Gemma 4 target it was trained for"
+        )
+    diff = [
+        f"{f} {getattr(a, f)} vs {getattr(b, f)}"
+        for fields, a, b in (
+            (_GEMMA4_LAYER_FIELDS, own, target),
+            (_GEMMA4_GLOBAL_FIELDS, own.gemma, target.gemma),
+        )
+        for f in fields
+        if getattr(a, f) != getattr(b, f)
+    ]
+    if diff:
+        raise CheckpointError(
+            f"drafter config.json: its Gemma 4 layers differ from the target's global layers "
+            f"(drafter vs target: {'; '.join(diff)}); load the drafter of this target"
+        )
+    return target
+
+
 def _hf_target_id(hf: Mapping[str, Any], layer_ids) -> TargetId:
     """The target a drafter's config.json says it was trained for (its shapes are the target's)."""
 
@@ -194,8 +254,18 @@ def _hf_target_id(hf: Mapping[str, Any], layer_ids) -> TargetId:
 
 def hf_drafter_config_dict(cfg: DrafterConfig, dtype: str | None = None) -> dict[str, Any]:
     """The drafter's `config.json` (the target config with the drafter overrides)."""
-    _require_hf_format(cfg)
-    d = hf_config_dict(cfg.target, dtype or cfg.dtype)
+    if cfg.target.gemma is None:
+        d = hf_config_dict(cfg.target, dtype or cfg.dtype)
+    else:  # the text config of the drafter's layers: no KV sharing, experts, per-layer inputs
+        lc, t, n = cfg.layer_config, cfg.target.gemma, cfg.num_layers
+        g = dataclasses.replace(  # the copy keeps two fields the draft layers never read
+            lc.gemma,
+            layer_types=(FULL,) * n,
+            use_double_wide_mlp=t.use_double_wide_mlp,
+            vocab_size_per_layer_input=t.vocab_size_per_layer_input,
+        )
+        own = lc.replace(num_layers=n, target_layer_ids=(), gemma=g)
+        d = gemma4_text_config_dict(own, dtype or cfg.dtype)
     d.pop("dspark_target_layer_ids", None)
     prefix = _ARCH_PREFIX[cfg.target.architecture]
     d.update(

@@ -2,7 +2,9 @@
 transformers 5 `Gemma4TextConfig` fields, with its defaults where a field is absent. Every field
 our decoder (`models/gemma4.py`) does not implement is refused here, before any weight is read.
 `models.hf_config.config_from_hf` dispatches here. A multimodal checkpoint
-(`Gemma4ForConditionalGeneration`) loads its text decoder (`weights_prefix`)."""
+(`Gemma4ForConditionalGeneration`) loads its text decoder (`weights_prefix`).
+`gemma4_text_config_dict` writes a `TargetConfig` back as that text config (the drafter
+checkpoints of `drafters/hf.py` carry one)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 from dspark_jax.config import Gemma4Config, TargetConfig, default_target_layer_ids
 from dspark_jax.errors import CheckpointError
 
+FULL = "full_attention"
 _GEMMA4_MULTIMODAL = ("Gemma4ForConditionalGeneration",)
 _GEMMA4_OVERRIDES = {"head_dim", "num_key_value_heads"}
 
@@ -170,3 +173,56 @@ def gemma4_config(hf: dict[str, Any], target_layer_ids, dtype: str) -> TargetCon
         dtype=dtype,
         gemma=gemma,
     )
+
+
+def gemma4_text_config_dict(cfg: TargetConfig, dtype: str | None = None) -> dict[str, Any]:
+    """The HF `Gemma4TextConfig` fields of `cfg` (the inverse of `gemma4_config`): the global
+    layers' geometry as `global_head_dim` / `num_global_key_value_heads` (the released
+    configs' keys), or as `per_layer_config` where K/V heads differ without K = V."""
+    g = cfg.gemma
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": g.global_rope_theta}
+    if (g.global_rope_fraction, g.global_rope_factor) != (1.0, 1.0):
+        full.update(rope_type="proportional", partial_rotary_factor=g.global_rope_fraction)
+        if g.global_rope_factor != 1.0:
+            full["factor"] = g.global_rope_factor
+    moe = g.num_experts > 0
+    d: dict[str, Any] = {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "global_head_dim": g.global_head_dim,
+        "num_global_key_value_heads": g.global_kv_heads if g.k_eq_v else None,
+        "attention_k_eq_v": g.k_eq_v,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "full_attention": full,
+        },
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "sliding_window": g.sliding_window,
+        "layer_types": list(g.layer_types),
+        "final_logit_softcapping": g.final_logit_softcapping,
+        "num_kv_shared_layers": g.num_kv_shared_layers,
+        "use_double_wide_mlp": g.use_double_wide_mlp,
+        "hidden_size_per_layer_input": g.hidden_size_per_layer_input,
+        "vocab_size_per_layer_input": g.vocab_size_per_layer_input,
+        "enable_moe_block": moe,
+        "num_experts": g.num_experts if moe else None,
+        "top_k_experts": g.top_k_experts if moe else None,
+        "moe_intermediate_size": g.moe_intermediate_size if moe else None,
+        "dtype": dtype or cfg.dtype,
+    }
+    if not g.k_eq_v and g.global_kv_heads != cfg.num_kv_heads:
+        over = {"head_dim": g.global_head_dim, "num_key_value_heads": g.global_kv_heads}
+        d["per_layer_config"] = {str(i): over for i, t in enumerate(g.layer_types) if t == FULL}
+    return d
