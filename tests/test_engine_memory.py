@@ -69,3 +69,56 @@ def test_an_engine_that_cannot_fit_is_refused_before_its_state(pair, monkeypatch
         ServingEngine(tcfg, dcfg, tp, dp, device_memory_gib=-1, **KW)
     ok = ServingEngine(tcfg, dcfg, tp, dp, device_memory_gib=gib * 4, **KW).memory_plan
     assert ok.fits and ok.limit == int(gib * 4 * 2**30)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (1, 4, 2)])
+def test_decoding_plan_equals_the_cache_generate_places(pair, mesh_shape):
+    """The regenerate stage's plan (`plan_decode_memory`): its KV cache is what plain decoding's
+    first program holds per device, rows over (data, fsdp) and K/V heads over tensor on a mesh
+    (`decoding.on_params_mesh`), and its params what the placed target holds."""
+    if mesh_shape is not None and jax.device_count() < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    import jax.numpy as jnp
+
+    from dspark_jax.engine.memory import plan_decode_memory
+    from dspark_jax.models.decoding import DecodeRequest, start
+    from dspark_jax.spec.sampling import SamplingConfig
+
+    tcfg, tp, _, _ = pair
+    if mesh_shape is not None:
+        data, fsdp, tensor = mesh_shape
+        mesh = parallel.make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
+        tp = parallel.shard_params(tp, mesh)
+    rows, cache_len = 8, 32
+    plan = plan_decode_memory(tcfg, tp, rows, cache_len)
+    req = DecodeRequest(jnp.full((rows,), 4, jnp.int32), jnp.full((1,), -1, jnp.int32),
+                        jax.random.key(0), jnp.zeros((rows,), jnp.uint32), None)  # fmt: skip
+    st = jax.jit(start, static_argnames=("cfg", "scfg", "cache_len"))(
+        tcfg, tp, jnp.zeros((rows, 8), jnp.int32), jnp.full((rows,), 3, jnp.int32), req,
+        scfg=SamplingConfig(greedy=True), cache_len=cache_len,
+    )  # fmt: skip
+    assert plan.kv == _device0_bytes((st.cache.k, st.cache.v))
+    assert plan.params == _device0_bytes(tp)
+    if mesh_shape is not None:  # rows over fsdp (4), the 2 K/V heads over tensor (2)
+        assert plan.kv * 8 == plan_decode_memory(tcfg, jax.device_get(tp), rows, cache_len).kv
+    assert plan.fits and "decoding memory per device" in plan.summary()
+
+
+def test_a_regeneration_that_cannot_fit_is_refused_before_decoding(pair):
+    """The regenerate stage prints its plan, then refuses (one line naming the knobs) when the
+    run's device memory (`drafters.train.device_memory_gib`) cannot hold it."""
+    from types import SimpleNamespace
+
+    from dspark_jax.pipeline_config import DRAFTER_TRAIN
+    from dspark_jax.run.regenerate_stage import check_regen_memory
+
+    tcfg, tp, _, _ = pair
+    logs = []
+    train = DRAFTER_TRAIN.replace(device_memory_gib=0.002)
+    p = SimpleNamespace(cfg=SimpleNamespace(drafters=SimpleNamespace(train=train)),
+                        log=logs.append)  # fmt: skip
+    check_regen_memory(p, tcfg, tp, 4, 64)  # fits in 2 MiB
+    with pytest.raises(ConfigError, match="lower regenerate.batch_size") as e:
+        check_regen_memory(p, tcfg, tp, 64, 512)
+    assert "\n" not in str(e.value)
+    assert all("decoding memory per device" in line for line in logs) and len(logs) == 2

@@ -149,7 +149,7 @@ class UnlikelyOnly:
 @pytest.mark.slow
 def test_sampled_follows_target_law_with_scheduler_and_rejects_biased_policy():
     tcfg, tp, dcfg, dp = agreeing_pair(vocab=8, gamma=2, head_scale=0.4, markov_bias=0.0)
-    prompt = [1, 2, 3]
+    prompt = [1, 2, 3, 4, 5, 6]
     law = _exact_pair_law(tcfg, tp, prompt)
     eng = _law_engine(tcfg, dcfg, tp, dp, (16, 20, 24, 32, 48))
     n = 6000
@@ -178,7 +178,7 @@ def test_eagle3_sampled_follows_target_law():
     tp["embed_tokens"] = tp["embed_tokens"].replace(tp["embed_tokens"][...] * 2.5)
     dcfg = DrafterConfig.eagle3(tcfg, block_size=2)
     dp = drafters.init_params(dcfg, seed=5, target_params=tp)
-    prompt = [1, 2, 3]
+    prompt = [1, 2, 3, 4, 5, 6]
     law = _exact_pair_law(tcfg, tp, prompt)
     eng = ServingEngine(
         tcfg, dcfg, tp, dp, num_slots=16, max_len=32, prompt_buckets=(8,), token_buckets=(48,),
@@ -199,9 +199,9 @@ def test_eagle3_sampled_follows_target_law():
 @pytest.mark.slow
 def test_gemma4_sampled_follows_target_law_and_rejects_biased_policy():
     """A Gemma 4 target (every feature of tests/test_gemma4_engine.py's config, a sliding window
-    of 2 shorter than the 5-token sequences, soft-capped logits) through the slot engine at
-    T = 1 with Algorithm 1: chi-square of (t2, t3) against its exact law; the biased policy is
-    caught by the same test."""
+    of 2, soft-capped logits) through the slot engine at T = 1 with Algorithm 1, its sliding
+    layers on rings of 2 + γ + 1 = 5 entries that the 8-token sequences wrap: chi-square of
+    (t2, t3) against its exact law; the biased policy is caught by the same test."""
     import dataclasses
 
     from dspark_jax.config import TargetConfig
@@ -222,7 +222,7 @@ def test_gemma4_sampled_follows_target_law_and_rejects_biased_policy():
     stand_in = TargetConfig(vocab_size=v, **{f: getattr(tcfg, f) for f in fields})
     perm = np.random.default_rng(0).permutation(v)
     dcfg, dp = markov_drafter(stand_in, tp, perm, 2, 1.5, 0)  # peaked drafts: the bias shows
-    prompt = [1, 2, 3]
+    prompt = [1, 2, 3, 4, 5, 6]
     law = _exact_pair_law(tcfg, tp, prompt)
     assert law.max() < 0.5  # a law worth testing, not one token
     eng = _law_engine(tcfg, dcfg, tp, dp, (16, 24, 48))

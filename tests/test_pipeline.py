@@ -72,6 +72,8 @@ def test_micro_pipeline_end_to_end_and_resume(tmp_path):
     # the overall progress line before every stage, and the whole run's time at the end
     assert out.count("[pipeline] ") == 8 and "min left in all" in out
     assert "[pipeline] evaluate (7/7)" in out and "[pipeline] done in" in out
+    # calibrate's and evaluate's decoders print their memory plan per device before decoding
+    assert "dspark decoder (" in out and "engine memory per device: params" in out
     _check_report(run_dir)
     # the pipeline's decoders are lean: one prompt bucket, two token buckets (slots x (γ+1), half)
     from dspark_jax.run.rundir import RunDir

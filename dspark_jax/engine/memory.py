@@ -1,4 +1,5 @@
-"""The serving engine's memory per device, planned before its state is created.
+"""The serving engine's memory per device, planned before its state is created (and plain
+decoding's, for the regenerate stage: `plan_decode_memory`).
 
     plan = plan_engine_memory(programs_args...)      # EnginePrograms does this
     plan.summary()   # "engine memory per device: params .., target KV .., drafter KV .., ..."
@@ -116,6 +117,71 @@ def plan_engine_memory(tcfg, config, tparams, dparams, abstract_state, state_sha
         rows=rows,
         activations=activations,
         limit=device_limit(mesh, config.device_memory_gib),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeMemoryPlan:
+    """Plain batched decoding's (`models.generate`: the regenerate stage) memory per device:
+    params and the KV cache of `rows` x `cache_len` positions exact, as placed on the params'
+    mesh (`decoding.on_params_mesh`); the prefill's largest transients estimated."""
+
+    params: int
+    kv: int
+    activations: int
+    limit: int | None
+
+    @property
+    def total(self) -> int:
+        return self.params + self.kv + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.limit is None or self.total <= HEADROOM * self.limit
+
+    def parts(self) -> str:
+        return (
+            f"params {_gib(self.params)}, KV cache {_gib(self.kv)}, largest call "
+            f"~{_gib(self.activations)}"
+        )
+
+    def summary(self) -> str:
+        lim = "(no device memory limit reported)"
+        if self.limit is not None:
+            lim = f"of {_gib(self.limit)} ({HEADROOM:.0%} usable)"
+        return f"decoding memory per device: {self.parts()}; total {_gib(self.total)} {lim}"
+
+
+def plan_decode_memory(tcfg, tparams, rows: int, cache_len: int,
+                       device_memory_gib: float = 0.0) -> DecodeMemoryPlan:  # fmt: skip
+    """The plan of `models.generate` on `rows` rows of up to `cache_len` positions (prompts
+    up to that long), on the mesh `tparams` are placed on (none: one device)."""
+    from dspark_jax import parallel
+    from dspark_jax.models import transformer as tf
+
+    leaf = jax.tree.leaves(tparams)[0]
+    mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+    mesh = mesh if mesh is not None and mesh.size > 1 else None
+    cache = jax.eval_shape(lambda: tf.init_cache(tcfg, rows, cache_len))
+    if mesh is None:
+        kv = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in cache.k + cache.v)
+        dp = tensor = 1
+    else:
+        sh = parallel.cache_shardings(cache, mesh)
+        kv = sharded_bytes((cache.k, cache.v), (sh.k, sh.v))
+        shape = dict(mesh.shape)
+        dp, tensor = shape.get("data", 1) * shape.get("fsdp", 1), shape.get("tensor", 1)
+    # the prefill of every row's prompt: the MLP's two inner activations and a few hidden-wide
+    # buffers per token, then the last token's logits and their sampling buffers (fp32)
+    tokens = math.ceil(rows / dp) * cache_len
+    width = 2 * tcfg.intermediate_size // tensor + 4 * tcfg.hidden_size
+    item = np.dtype(jax.tree.leaves(tparams)[0].dtype).itemsize
+    act = tokens * width * item + _LOGIT_BUFFERS * math.ceil(rows / dp) * tcfg.vocab_size * 4
+    return DecodeMemoryPlan(
+        params=_param_bytes(tparams, mesh),
+        kv=kv,
+        activations=act,
+        limit=device_limit(mesh, device_memory_gib),
     )
 
 

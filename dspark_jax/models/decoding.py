@@ -165,6 +165,18 @@ def _record(state: DecodeState, tok_B, pos_B, req: DecodeRequest) -> DecodeState
     return state._replace(last_B=last, tokens_BxS=tokens, num_new_B=num_new, done_B=done)
 
 
+def on_params_mesh(cache: tf.KVCache, params) -> tf.KVCache:
+    """`cache` constrained to `parallel.cache_shardings` on the mesh the params are placed on
+    (traced: their abstract mesh): rows over (data, fsdp), K/V heads over tensor, as the
+    serving engine's; unchanged on one device."""
+    from dspark_jax import parallel
+
+    mesh = jax.typeof(jax.tree.leaves(params)[0]).sharding.mesh
+    if not mesh.axis_names or mesh.size == 1:
+        return cache
+    return jax.lax.with_sharding_constraint(cache, parallel.cache_shardings(cache, mesh))
+
+
 def start(
     cfg: TargetConfig,
     params: nnx.State,
@@ -180,7 +192,7 @@ def start(
     Static: cfg, scfg, cache_len (S), shapes. Arrays: params, tokens_BxP, lengths_B, req.
     """
     b = tokens_BxP.shape[0]
-    cache = tf.init_cache(cfg, b, cache_len)
+    cache = on_params_mesh(tf.init_cache(cfg, b, cache_len), params)
     logits_BxV, _, cache = prefill(cfg, params, tokens_BxP, lengths_B, cache)
     tok_B = sample_tokens(logits_BxV, req.key, req.seeds_B, lengths_B, req.sampling, scfg)
     state = DecodeState(

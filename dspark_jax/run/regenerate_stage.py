@@ -12,11 +12,14 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from dspark_jax import parallel
+from dspark_jax.engine.memory import plan_decode_memory
+from dspark_jax.errors import ConfigError
 from dspark_jax.io import atomic_write
 from dspark_jax.models.generate import generate
 from dspark_jax.models.hf import load_target
 from dspark_jax.run.rundir import LENGTH_BUCKETS
 from dspark_jax.templates import encode_prompt
+from dspark_jax.train.memory import HEADROOM, _gib
 
 
 def run_regenerate(p) -> dict:
@@ -30,6 +33,7 @@ def run_regenerate(p) -> dict:
     stop = p.stop_ids()
     ctx = tcfg.max_position_embeddings
     buckets = tuple(b for b in LENGTH_BUCKETS if b <= ctx)
+    check_regen_memory(p, tcfg, tparams, max(_row_buckets(c.batch_size)), min(max(buckets), ctx))
     shard_dir = p.stage_dir("regenerate") / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
     shard = max(c.batch_size, 1) * c.shard_batches
@@ -89,6 +93,22 @@ def run_regenerate(p) -> dict:
     return {"prompts": len(prompts)}
 
 
+def check_regen_memory(p, tcfg, tparams, rows: int, cache_len: int) -> None:
+    """Print the decoding's memory plan per device; refuse one that cannot fit before any
+    prompt is decoded (the limit: `drafters.train.device_memory_gib`, else what the devices
+    report)."""
+    limit_gib = p.cfg.drafters.train.device_memory_gib
+    plan = plan_decode_memory(tcfg, tparams, rows, cache_len, limit_gib)
+    p.log(f"  regenerate: {rows} rows x {cache_len} positions; {plan.summary()}")
+    if not plan.fits:
+        raise ConfigError(
+            f"regeneration needs ~{_gib(plan.total)} per device ({plan.parts()}) but the devices "
+            f"have {_gib(plan.limit)} ({HEADROOM:.0%} usable): lower regenerate.batch_size or "
+            "regenerate.max_new_tokens, load the target in bf16 (drafters.train.target_dtype=bfloat16), or shard "
+            "it over more devices (a larger mesh.tensor)"
+        )
+
+
 def regen_target(p):
     """The target for regeneration: the run's (on the pipeline's mesh) in a single-process
     run; with several processes each one regenerates different prompts, so each holds its
@@ -98,7 +118,7 @@ def regen_target(p):
     if "regen_target" not in p.rundir._cache:
         p.rundir._cache["regen_target"] = load_target(
             p.rundir.target_path(), mesh=parallel.local_mesh(p.cfg.mesh),
-            target_layer_ids=p.cfg.target.target_layer_ids or None,
+            target_layer_ids=p.cfg.target.target_layer_ids or None, dtype=p.rundir.target_dtype(),
         )  # fmt: skip
     return p.rundir._cache["regen_target"]
 

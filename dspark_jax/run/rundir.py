@@ -53,6 +53,9 @@ class RunDir:
             config = self._read_config()
         self.config: PipelineConfig = config
         self._cache: dict[str, Any] = {}
+        # where each decoder's memory plan per device is reported, once per distinct plan (the
+        # pipeline sets its log; None: not reported)
+        self.log = None
 
     def _read_config(self) -> PipelineConfig:
         f = self.path / "config.json"
@@ -143,9 +146,17 @@ class RunDir:
                     f"python train.py --config <preset> --run-dir {self.path}"
                 )
             self._cache["target"] = load_target(
-                path, target_layer_ids=self.config.target.target_layer_ids or None, mesh=self.mesh
-            )
+                path, target_layer_ids=self.config.target.target_layer_ids or None, mesh=self.mesh,
+                dtype=self.target_dtype(),
+            )  # fmt: skip
         return self._cache["target"]
+
+    def target_dtype(self) -> str:
+        """The dtype the target is loaded and decoded in: the run's `drafters.train.target_dtype`
+        ("auto": bfloat16 on GPU / TPU, float32 on CPU), as the drafters were trained against."""
+        from dspark_jax.train.memory import resolve_dtypes
+
+        return resolve_dtypes(self.config.drafters.train).target_dtype
 
     # -- drafters ---------------------------------------------------------------------------
 
@@ -279,13 +290,22 @@ class RunDir:
         buckets = length_buckets or (
             tuple(b for b in LENGTH_BUCKETS if b < max_len) or (max_len // 2,)
         )
-        return ServingEngine(
+        engine = ServingEngine(
             tcfg, dcfg, tparams, dparams,
             num_slots=self._slots(num_slots), max_len=max_len,
             prompt_buckets=tuple(buckets), policy="fixed", mesh=self.mesh,
             rounds_per_call=rounds_per_call, token_buckets=token_buckets, modes=modes or MODES,
             context_window=context_window,
+            device_memory_gib=self.config.drafters.train.device_memory_gib,
         )  # fmt: skip
+        plan = f"  {kind} decoder ({engine.config.num_slots} slots x {max_len}): " + (
+            engine.memory_plan.summary()
+        )
+        logged = self._cache.setdefault("logged_plans", set())
+        if self.log is not None and plan not in logged:
+            logged.add(plan)
+            self.log(plan)
+        return engine
 
     def _slots(self, num_slots: int) -> int:
         """A decoder's slots: `num_slots`, or 0 for `evaluate.batch_size`."""

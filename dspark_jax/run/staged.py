@@ -63,6 +63,7 @@ class StagedRun:
         self.timings: dict[str, float] = {}
         self.status: dict[str, str] = {}
         self.rundir = RunDir(self.run, config=cfg)
+        self.rundir.log = log  # the decoders' memory plans
         self.store = StageStore(self.run, keep=cfg.keep_versions, log=log)
         self.hasher = FileHasher(self.run / "file_hashes.json")
         self._building: dict[str, Path] = {}  # stage -> its work folder while it runs
