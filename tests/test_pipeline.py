@@ -307,3 +307,43 @@ def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
     assert "min left in all" in lines["[pipeline] drafters"]
     rep = _check_report(run_dir, kinds=("dspark",))
     assert set(rep["datasets"]) == {Path(e).stem for e in evals}
+
+
+@pytest.mark.slow
+def test_gemma4_preset_on_tiny_hf_checkpoint(tmp_path):
+    """configs/gemma4_micro.py end to end on a tiny random `Gemma4ForCausalLM` (sliding and global
+    layers, proportional RoPE, soft-capped logits; tests/test_gemma4.py's) saved by transformers,
+    with a tokenizer of Gemma 4's chat format (`testing.gemma4_style_tokenizer`): regeneration,
+    all three drafters, calibration and the report, rendered the Gemma 4 way (model turns, the
+    thought prefix outside the loss, no system prompt) and stopping at `<turn|>`."""
+    pytest.importorskip("torch")
+    from dspark_jax.run.pipeline import Pipeline
+    from dspark_jax.run.rundir import RunDir
+    from dspark_jax.templates import RenderConfig
+    from dspark_jax.testing import gemma4_style_tokenizer
+    from tests.test_gemma4 import LAYER_IDS, _hf_model
+
+    ckpt = tmp_path / "gemma4-tiny"
+    tok = gemma4_style_tokenizer(tmp_path / "tokcache")
+    tok.save_pretrained(ckpt)
+    _hf_model({"vocab_size": 576}, seed=0).save_pretrained(ckpt)
+    conv = tmp_path / "train.jsonl"
+    rows = [
+        {"conversations": [{"role": "user", "content": f"What is {i} plus {i + 1}?"},
+                           {"role": "assistant", "content": f"{i} + {i + 1} = {2 * i + 1}."}]}
+        for i in range(40)
+    ]  # fmt: skip
+    conv.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    sets = [f"target.path={ckpt}", "target.target_layer_ids=" + ",".join(map(str, LAYER_IDS)),
+            f"data.conversation_files={conv}", f"data.eval_prompt_files={conv}"]  # fmt: skip
+    args = ["--config", "configs/gemma4_micro.py", "--run-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    _run(args, timeout=900)
+    _check_report(run_dir)
+    rd = RunDir(run_dir)
+    assert rd.target()[0].architecture == "gemma4"
+    assert Pipeline(rd.config, log=lambda *a: None).render_config() == RenderConfig.gemma4()
+    assert tok.convert_tokens_to_ids("<turn|>") in rd.stop_ids()
+    assert rd.mask_token_id(rd.target()[0]) == tok.convert_tokens_to_ids("<|mask|>")
