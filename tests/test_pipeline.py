@@ -335,8 +335,12 @@ def test_gemma4_preset_on_tiny_hf_checkpoint(tmp_path):
     ]  # fmt: skip
     conv.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp_path / "run"
-    sets = [f"target.path={ckpt}", "target.target_layer_ids=" + ",".join(map(str, LAYER_IDS)),
-            f"data.conversation_files={conv}", f"data.eval_prompt_files={conv}"]  # fmt: skip
+    sets = [
+        f"target.path={ckpt}", "target.target_layer_ids=" + ",".join(map(str, LAYER_IDS)),
+        f"data.conversation_files={conv}", f"data.eval_prompt_files={conv}",
+        # the speed breakdown and the greedy table: two more rounds of compiling (minutes here)
+        "evaluate.speed_reps=0", "evaluate.temperatures=",
+    ]  # fmt: skip
     args = ["--config", "configs/gemma4_micro.py", "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]
