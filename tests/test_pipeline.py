@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError
 from dspark_jax.pipeline_config import PipelineConfig, apply_overrides
+from dspark_jax.run.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -318,7 +321,6 @@ def test_gemma4_preset_on_tiny_hf_checkpoint(tmp_path):
     thought prefix outside the loss, no system prompt) and stopping at `<turn|>`."""
     pytest.importorskip("torch")
     from dspark_jax.run.pipeline import Pipeline
-    from dspark_jax.run.rundir import RunDir
     from dspark_jax.templates import RenderConfig
     from dspark_jax.testing import gemma4_style_tokenizer
     from tests.test_gemma4 import LAYER_IDS, _hf_model
@@ -351,3 +353,29 @@ def test_gemma4_preset_on_tiny_hf_checkpoint(tmp_path):
     assert Pipeline(rd.config, log=lambda *a: None).render_config() == RenderConfig.gemma4()
     assert tok.convert_tokens_to_ids("<turn|>") in rd.stop_ids()
     assert rd.mask_token_id(rd.target()[0]) == tok.convert_tokens_to_ids("<|mask|>")
+
+
+class _GemmaLikeVocab:
+    """What RunDir reads of a Gemma tokenizer: `<mask>` at 4 (REFERENCE §0), an end-of-turn
+    `<turn|>` (its id here is made up), `<eos>`, and no spare embedding row."""
+
+    unk_token_id, eos_token_id = 3, 1
+
+    def __init__(self, mask: bool = True):
+        self.ids = {"<eos>": 1, "<turn|>": 50, **({"<mask>": 4} if mask else {})}
+
+    def convert_tokens_to_ids(self, token):
+        return self.ids.get(token, self.unk_token_id)
+
+    def __len__(self):
+        return 262_144
+
+
+def test_gemma_mask_token_and_end_of_turn_come_from_the_tokenizer(tmp_path):
+    rd = RunDir(tmp_path, config=PipelineConfig())
+    rd.set_tokenizer(_GemmaLikeVocab())
+    assert rd.mask_token_id(TargetConfig(vocab_size=262_144)) == 4
+    assert rd.stop_ids() == [50, 1]
+    rd.set_tokenizer(_GemmaLikeVocab(mask=False))
+    with pytest.raises(ConfigError, match=re.escape("no <|mask|> or <mask> token")):
+        rd.mask_token_id(TargetConfig(vocab_size=262_144))
