@@ -27,10 +27,10 @@ least 47) and no copy of google/gemma-4-12B-it's config.json was available. The 
 its plan per device at start-up and refuses one that cannot fit, naming the field to change
 (`--set drafters.train.micro_batch_size=...` or `mesh.tensor=...`).
 
-Not yet runnable on the released checkpoint: transformers names google/gemma-4-12B-it a
-`gemma4_unified` model (Gemma4UnifiedForConditionalGeneration, text config
-`gemma4_unified_text`), which `load_target` does not read (it reads `gemma4` / `gemma4_text`
-checkpoints); configs/gemma4_micro.py runs this code path on a small `Gemma4ForCausalLM`.
+The released checkpoint is a `gemma4_unified` model in transformers' naming
+(Gemma4UnifiedForConditionalGeneration, text config `gemma4_unified_text`): `load_target` reads
+its text decoder (tests/test_gemma4.py checks the logits against transformers on tiny random
+ones); configs/gemma4_micro.py runs this whole pipeline on a small `Gemma4ForCausalLM`.
 """
 
 from dspark_jax.config import MeshConfig
