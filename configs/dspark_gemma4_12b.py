@@ -12,13 +12,15 @@ which the pipeline looks up), γ = 7, 5 drafter layers (Eagle3: 1), vanilla Mark
 rendering follows the target (`Pipeline.render_config`): `<|turn>model` turns, every assistant
 content prefixed with the empty thought channel `<|channel>thought\\n<channel|>` that the loss mask
 skips, no default system prompt; `<turn|>` stops generation. The reference does not pin Gemma's
-sampling for regeneration (REFERENCE §1.2): temperature 1.0, top_p 0.95, top_k 64 here, Google's
-recommendation for Gemma models — check them against the checkpoint's generation_config.json.
+sampling for regeneration (REFERENCE §1.2): temperature 1.0, top_p 0.95, top_k 64 here, what
+Google's Gemma 3 model cards recommend — check them against the checkpoint's
+generation_config.json (`--set regenerate.temperature=...`).
 
 Slice: one host of 8 x H100 80 GB (`SLICE`), mesh fsdp=2 x tensor=4 (`mesh`), bf16 compute and
 bf16 frozen target ("auto" on GPU), 64 anchors per rematerialized chunk; per optimizer step 512
-sequences as 256 micro-steps of 2 (1 per fsdp shard), half the Qwen3-4B preset's micro-batch
-because the 262k-token vocabulary (vs 152k) sets the size of Eagle3's logits.
+sequences as 256 micro-steps of 2 (1 per fsdp shard): half the Qwen3-4B preset's micro-batch, a
+cautious choice made without a plan (below) because a 262k-token vocabulary (vs Qwen's 152k) and
+a wider model grow Eagle3's logits and activations, which set the Qwen3-4B preset's micro-batch.
 
 Memory plan: NOT computed here. It needs the 12B text config (hidden size, layers, heads, head
 dims, FFN width), which could not be found offline: transformers' Gemma4 / Gemma4Unified config
