@@ -77,6 +77,17 @@ class RenderConfig:
         }
         return cls(**{**base, **overrides})
 
+    @classmethod
+    def for_target(cls, architecture: str | None, **overrides: Any) -> RenderConfig:
+        """The reference setting of a target checkpoint by its `TargetConfig.architecture`:
+        "gemma4" -> `gemma4()`, "qwen3" / "qwen2" -> `qwen3()`; other checkpoints and None (the
+        target the demo trains on its ChatML tokenizer) -> ChatML without a system prompt."""
+        if architecture == "gemma4":
+            return cls.gemma4(**overrides)
+        if architecture in ("qwen3", "qwen2"):
+            return cls.qwen3(**overrides)
+        return cls(**overrides)
+
 
 def _template_kwargs(enable_thinking: bool | None) -> dict[str, Any]:
     return {} if enable_thinking is None else {"enable_thinking": enable_thinking}

@@ -129,3 +129,25 @@ def tiny_tokenizer(cache_dir: str | os.PathLike, vocab_size: int = 512) -> Any:
     ):
         return load_tokenizer(out, require_chat_template=True)
     return tokenizer.train_tokenizer([sample_text()], out, vocab_size, force=True)
+
+
+# Gemma 4's chat format in small: `<|turn>{role}\n{content}<turn|>\n` per message, the assistant's
+# role named "model", generation prompt `<|turn>model\n` (REFERENCE §1.3).
+GEMMA4_STYLE_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{- '<|turn>' + role + '\\n' + message['content'] + '<turn|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}{%- endif -%}"
+)
+GEMMA4_SPECIAL_TOKENS = ("<|turn>", "<turn|>", "<|channel>", "<channel|>")
+
+
+def gemma4_style_tokenizer(cache_dir: str | os.PathLike, vocab_size: int = 512) -> Any:
+    """`tiny_tokenizer` with Gemma 4's turn and thought-channel markers as special tokens and a
+    chat template of Gemma 4's shape (`GEMMA4_STYLE_TEMPLATE`): what a Gemma 4 checkpoint's
+    tokenizer renders, built offline."""
+    tok = tiny_tokenizer(cache_dir, vocab_size)
+    tok.add_special_tokens({"additional_special_tokens": list(GEMMA4_SPECIAL_TOKENS)})
+    tok.chat_template = GEMMA4_STYLE_TEMPLATE
+    return tok

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dspark_jax.errors import DataError
 from dspark_jax.io import atomic_write
 from dspark_jax.templates import RenderConfig, assistant_char_spans, encode_prompt, format_prompt
-from dspark_jax.testing import tiny_tokenizer
+from dspark_jax.testing import gemma4_style_tokenizer, tiny_tokenizer
 from dspark_jax.train.data import (
     Conversation,
     Prompt,
@@ -255,7 +255,7 @@ def test_mask_property_masked_text_is_exactly_assistant_turns(tok, turns):
     )
 
 
-def test_char_spans_gemma_style_skips_thought_prefix():
+def test_char_spans_gemma_style_skips_thought_prefix(tmp_path_factory):
     cfg = RenderConfig.gemma4()
     pre = cfg.assistant_content_prefix
     text = f"<|turn>user\nq<turn|>\n<|turn>model\n{pre}ans<turn|>\n<|turn>model\nopen"
@@ -264,6 +264,20 @@ def test_char_spans_gemma_style_skips_thought_prefix():
     assert RenderConfig.qwen3().default_system_prompt == "You are a helpful assistant."
     with pytest.raises(ValueError, match="max_length"):
         RenderConfig(max_length=0)
+    # the pipeline's choice by target (Pipeline.render_config): a Gemma 4 checkpoint's
+    # conversations, rendered by a Gemma-4-style template, are supervised on the model turns'
+    # content and `<turn|>\n`, never on the thought prefix, the headers or the user turns
+    assert RenderConfig.for_target("qwen3", max_length=9) == RenderConfig.qwen3(max_length=9)
+    assert RenderConfig.for_target(None) == RenderConfig()
+    rc = RenderConfig.for_target("gemma4", max_length=512, min_loss_tokens=1)
+    assert rc == RenderConfig.gemma4(max_length=512, min_loss_tokens=1)
+    gtok = gemma4_style_tokenizer(tmp_path_factory.getbasetemp() / "tok_cache")
+    conv = Conversation.from_pairs(("user", "What is 2+2?"), ("assistant", "It is 4."),
+                                   ("user", "And 3+3?"), ("assistant", "6."))  # fmt: skip
+    sample = encode_conversation(gtok, conv, rc)
+    runs, rest = masked_runs(gtok, sample)
+    assert runs == ["It is 4.<turn|>\n", "6.<turn|>\n"]
+    assert rest.count(pre) == 2 and "system" not in rest and rest.count("<|turn>model\n") == 2
 
 
 # ------------------------------------------------------------------------------------------------

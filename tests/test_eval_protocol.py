@@ -9,6 +9,7 @@ import json
 from configs.micro import config as micro_config
 from dspark_jax.pipeline_config import DataStage
 from dspark_jax.run.pipeline import Pipeline
+from dspark_jax.templates import RenderConfig
 
 
 def test_sample_system_prompt_is_kept_and_no_default_for_the_demo_template(tmp_path):
@@ -33,4 +34,4 @@ def test_sample_system_prompt_is_kept_and_no_default_for_the_demo_template(tmp_p
     assert got == [("Answer in French.", ["hello"]), (None, ["hi"])]
     convs = p._training_conversations()
     assert [m.role for m in convs[0].messages][0] == "system"
-    assert p.default_system_prompt() is None  # the demo's ChatML template has no default
+    assert p.render_config() == RenderConfig()  # the demo's ChatML template: no default

@@ -72,7 +72,10 @@ ALL = {k: v for d in VARIANTS.values() for k, v in d.items()}  # every feature a
 def _hf_model(overrides: dict, seed: int):
     torch.manual_seed(seed)
     cfg = transformers.Gemma4TextConfig(**{**_BASE, **overrides}, attn_implementation="eager")
-    model = transformers.Gemma4ForCausalLM(cfg).eval()
+    return _randomized_scales(transformers.Gemma4ForCausalLM(cfg).eval())
+
+
+def _randomized_scales(model):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(("scale", "per_expert_scale")):
@@ -249,6 +252,38 @@ def test_multimodal_checkpoint_loads_its_text_decoder(tmp_path, tokens):
     out, _ = _fwd(cfg, params, tokens, positions_like(jnp.asarray(tokens)))
     d = _maxdiff(out.logits, ref)
     print(f"gemma4 multimodal (text part): max |dlogit| = {d:.2e}")
+    assert d <= TOL and np.abs(ref).max() > 0.5
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_unified_checkpoint_loads_its_text_decoder(tmp_path, tokens, wrapped):
+    """google/gemma-4-12B-it is a `gemma4_unified` checkpoint (encoder-free multimodal Gemma 4):
+    the same text decoder without per-layer inputs or experts, image tokens attending both ways
+    (`use_bidirectional_attention="vision"`; text stays causal). `Gemma4UnifiedForCausalLM` and
+    its `ForConditionalGeneration` wrapper load; text logits match."""
+    torch.manual_seed(11)
+    base = {k: v for k, v in _BASE.items() if k != "hidden_size_per_layer_input"}
+    text = transformers.Gemma4UnifiedTextConfig(**base, attn_implementation="eager")
+    assert text.use_bidirectional_attention == "vision"
+    if wrapped:
+        vision = transformers.Gemma4UnifiedVisionConfig(
+            mm_embed_dim=32, output_proj_dims=64, mm_posemb_size=16
+        )
+        mm = transformers.Gemma4UnifiedConfig(
+            text_config=text, vision_config=vision, audio_config=None
+        )
+        model = transformers.Gemma4UnifiedForConditionalGeneration(mm)
+    else:
+        model = transformers.Gemma4UnifiedForCausalLM(text)
+    model = _randomized_scales(model.eval())
+    model.save_pretrained(tmp_path / "unified")
+    cfg, params = load_target(tmp_path / "unified")
+    assert cfg.architecture == "gemma4" and cfg.gemma.sliding_window == WINDOW
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens)).logits.numpy()
+    out, _ = _fwd(cfg, params, tokens, positions_like(jnp.asarray(tokens)))
+    d = _maxdiff(out.logits, ref)
+    print(f"gemma4 unified (wrapped={wrapped}): max |dlogit| = {d:.2e}")
     assert d <= TOL and np.abs(ref).max() > 0.5
 
 

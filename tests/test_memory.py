@@ -1,5 +1,6 @@
 """Memory plan: dtype resolution, the per-device estimate against XLA's compiled memory analysis,
-the refusal (naming the field to change), and the 4B preset's numbers on 8 x H100 80 GB."""
+the refusal (naming the field to change), and the 4B preset's numbers on 8 x H100 80 GB (the
+Gemma4-12B preset's settings only: its target's config is not available offline)."""
 
 from __future__ import annotations
 
@@ -165,6 +166,25 @@ def test_4b_preset_fits_8xh100_and_the_old_numbers_do_not():
     assert not plan.fits
     with pytest.raises(ConfigError, match="set TrainConfig.micro_batch_size="):
         memory.check_memory(old, plan, mesh, dcfg.target, dcfg)
+
+
+def test_gemma4_12b_preset_has_the_reference_settings_on_8xh100():
+    """configs/dspark_gemma4_12b.py: the reference's Gemma4-12B-it settings (REFERENCE §0, §8) on
+    the 8-device slice. Its memory plan is not checked here: that needs the 12B text config,
+    which is not available offline (the preset's docstring); train.py plans and checks it at
+    start-up, on the checkpoint's own config."""
+    import configs.dspark_gemma4_12b as preset
+
+    pc = preset.config()
+    assert preset.SLICE == "8xH100-80GB" and jax.device_count() == 8
+    assert (pc.mesh.data, pc.mesh.fsdp, pc.mesh.tensor) == (1, 2, 4)
+    assert pc.target.target_layer_ids == (5, 17, 29, 41, 46) and not pc.target.path
+    d = pc.drafters
+    assert set(d.kinds) == {"dspark", "dflash", "eagle3"}
+    assert (d.block_size, d.num_layers, d.markov_rank, d.num_anchors) == (7, 5, 256, 512)
+    cfg = d.train_config(seed=0)
+    assert cfg.seq_buckets == (4096,) and cfg.learning_rate == 6e-4
+    assert cfg.global_batch_size == 512 and cfg.accum_steps == 256  # 1 sequence per fsdp shard
 
 
 _POD_PLAN = """

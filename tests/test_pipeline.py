@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError
 from dspark_jax.pipeline_config import PipelineConfig, apply_overrides
+from dspark_jax.run.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -309,3 +312,72 @@ def test_real_target_preset_on_tiny_hf_checkpoint(tmp_path):
     assert "min left in all" in lines["[pipeline] drafters"]
     rep = _check_report(run_dir, kinds=("dspark",))
     assert set(rep["datasets"]) == {Path(e).stem for e in evals}
+
+
+@pytest.mark.slow
+def test_gemma4_preset_on_tiny_hf_checkpoint(tmp_path):
+    """configs/gemma4_micro.py end to end on a tiny random `Gemma4ForCausalLM` (sliding and global
+    layers, proportional RoPE, soft-capped logits; tests/test_gemma4.py's) saved by transformers,
+    with a tokenizer of Gemma 4's chat format (`testing.gemma4_style_tokenizer`): regeneration,
+    all three drafters, calibration and the report, rendered the Gemma 4 way (model turns, the
+    thought prefix outside the loss, no system prompt) and stopping at `<turn|>`."""
+    pytest.importorskip("torch")
+    from dspark_jax.run.pipeline import Pipeline
+    from dspark_jax.templates import RenderConfig
+    from dspark_jax.testing import gemma4_style_tokenizer
+    from tests.test_gemma4 import LAYER_IDS, _hf_model
+
+    ckpt = tmp_path / "gemma4-tiny"
+    tok = gemma4_style_tokenizer(tmp_path / "tokcache")
+    tok.save_pretrained(ckpt)
+    _hf_model({"vocab_size": 576}, seed=0).save_pretrained(ckpt)
+    conv = tmp_path / "train.jsonl"
+    rows = [
+        {"conversations": [{"role": "user", "content": f"What is {i} plus {i + 1}?"},
+                           {"role": "assistant", "content": f"{i} + {i + 1} = {2 * i + 1}."}]}
+        for i in range(40)
+    ]  # fmt: skip
+    conv.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    sets = [
+        f"target.path={ckpt}", "target.target_layer_ids=" + ",".join(map(str, LAYER_IDS)),
+        f"data.conversation_files={conv}", f"data.eval_prompt_files={conv}",
+        # the speed breakdown and the greedy table: two more rounds of compiling (minutes here)
+        "evaluate.speed_reps=0", "evaluate.temperatures=",
+    ]  # fmt: skip
+    args = ["--config", "configs/gemma4_micro.py", "--run-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    _run(args, timeout=900)
+    _check_report(run_dir)
+    rd = RunDir(run_dir)
+    assert rd.target()[0].architecture == "gemma4"
+    assert Pipeline(rd.config, log=lambda *a: None).render_config() == RenderConfig.gemma4()
+    assert tok.convert_tokens_to_ids("<turn|>") in rd.stop_ids()
+    assert rd.mask_token_id(rd.target()[0]) == tok.convert_tokens_to_ids("<|mask|>")
+
+
+class _GemmaLikeVocab:
+    """What RunDir reads of a Gemma tokenizer: `<mask>` at 4 (REFERENCE §0), an end-of-turn
+    `<turn|>` (its id here is made up), `<eos>`, and no spare embedding row."""
+
+    unk_token_id, eos_token_id = 3, 1
+
+    def __init__(self, mask: bool = True):
+        self.ids = {"<eos>": 1, "<turn|>": 50, **({"<mask>": 4} if mask else {})}
+
+    def convert_tokens_to_ids(self, token):
+        return self.ids.get(token, self.unk_token_id)
+
+    def __len__(self):
+        return 262_144
+
+
+def test_gemma_mask_token_and_end_of_turn_come_from_the_tokenizer(tmp_path):
+    rd = RunDir(tmp_path, config=PipelineConfig())
+    rd.set_tokenizer(_GemmaLikeVocab())
+    assert rd.mask_token_id(TargetConfig(vocab_size=262_144)) == 4
+    assert rd.stop_ids() == [50, 1]
+    rd.set_tokenizer(_GemmaLikeVocab(mask=False))
+    with pytest.raises(ConfigError, match=re.escape("no <|mask|> or <mask> token")):
+        rd.mask_token_id(TargetConfig(vocab_size=262_144))

@@ -15,25 +15,29 @@ from dspark_jax.config import Gemma4Config, TargetConfig, default_target_layer_i
 from dspark_jax.errors import CheckpointError
 
 FULL = "full_attention"
-_GEMMA4_MULTIMODAL = ("Gemma4ForConditionalGeneration",)
+# Gemma 4 and the encoder-free "unified" Gemma 4 (google/gemma-4-12B-it): the same text decoder
+_GEMMA4_TEXT_TYPES = ("gemma4_text", "gemma4_unified_text")
+_GEMMA4_MULTIMODAL_TYPES = ("gemma4", "gemma4_unified")
+_GEMMA4_CAUSAL_LM = ("Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM")
+_GEMMA4_MULTIMODAL = ("Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration")
 _GEMMA4_OVERRIDES = {"head_dim", "num_key_value_heads"}
 
 
 def is_gemma4(hf: Mapping[str, Any]) -> bool:
     archs = hf.get("architectures") or []
-    return (
-        hf.get("model_type") in ("gemma4_text", "gemma4")
-        or "Gemma4ForCausalLM" in archs
-        or any(a in _GEMMA4_MULTIMODAL for a in archs)
+    return hf.get("model_type") in (*_GEMMA4_TEXT_TYPES, *_GEMMA4_MULTIMODAL_TYPES) or any(
+        a in (*_GEMMA4_CAUSAL_LM, *_GEMMA4_MULTIMODAL) for a in archs
     )
 
 
 def is_multimodal(hf: Mapping[str, Any]) -> bool:
-    """A `Gemma4ForConditionalGeneration` checkpoint (the released ones): the text decoder's
-    config is its `text_config`, its weights sit under `model.language_model.` (the vision and
-    audio towers are ignored)."""
+    """A `Gemma4ForConditionalGeneration` / `Gemma4UnifiedForConditionalGeneration` checkpoint
+    (the released ones): the text decoder's config is its `text_config`, its weights sit under
+    `model.language_model.` (the vision and audio parts are ignored)."""
     archs = hf.get("architectures") or []
-    return hf.get("model_type") == "gemma4" or any(a in _GEMMA4_MULTIMODAL for a in archs)
+    return hf.get("model_type") in _GEMMA4_MULTIMODAL_TYPES or any(
+        a in _GEMMA4_MULTIMODAL for a in archs
+    )
 
 
 def weights_prefix(hf: Mapping[str, Any]) -> str:
@@ -49,11 +53,17 @@ def _gemma4_refusals(hf: Mapping[str, Any]) -> None:
             hf.get("hidden_activation", "gelu_pytorch_tanh"),
         ),
         "attention_bias": (False, bool(hf.get("attention_bias", False))),
-        "use_bidirectional_attention": (None, hf.get("use_bidirectional_attention")),
     }
     for field, (ok, got) in refuse.items():
         if got != ok:
             raise CheckpointError(f"unsupported Gemma 4 {field}={got!r}; only {ok!r} is")
+    # "vision": image tokens see each other both ways, text stays causal (all we decode)
+    bidirectional = hf.get("use_bidirectional_attention")
+    if bidirectional not in (None, "vision"):
+        raise CheckpointError(
+            f"unsupported Gemma 4 use_bidirectional_attention={bidirectional!r}; "
+            "only None and 'vision' (causal text) are"
+        )
     n, vocab = int(hf["num_hidden_layers"]), int(hf["vocab_size"])
     if int(hf.get("num_kv_shared_layers", 0)) >= n:
         raise CheckpointError(f"unsupported num_kv_shared_layers >= num_hidden_layers={n}")
@@ -124,6 +134,8 @@ def gemma4_config(hf: dict[str, Any], target_layer_ids, dtype: str) -> TargetCon
             raise CheckpointError("multimodal Gemma 4 config.json lacks its text_config")
         tied = hf.get("tie_word_embeddings", True)  # the wrapper's head ties or not
         hf = {**hf["text_config"], "tie_word_embeddings": tied}
+    if hf.get("model_type") == "gemma4_unified_text":  # no per-layer inputs: the field is left out
+        hf = {"hidden_size_per_layer_input": 0, **hf}
     _gemma4_refusals(hf)
     n_layers, n_heads, hidden = (
         int(hf[k]) for k in ("num_hidden_layers", "num_attention_heads", "hidden_size")

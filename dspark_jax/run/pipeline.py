@@ -251,13 +251,13 @@ class Pipeline(StagedRun):
             out.append((system, list(convs[i].user_turns())))
         return out
 
-    def default_system_prompt(self) -> str | None:
-        """The template's default system prompt, inserted when a sample has none (REFERENCE
-        §1.3): Qwen targets loaded from a checkpoint render "You are a helpful assistant."; the
-        embedded demo's ChatML tokenizer has no default."""
-        if self.cfg.target.path and self.target()[0].architecture in ("qwen3", "qwen2"):
-            return "You are a helpful assistant."
-        return None
+    def render_config(self, **kw) -> RenderConfig:
+        """How the drafters' training conversations are rendered (REFERENCE §1.3), by the target:
+        a Qwen checkpoint inserts the default system prompt "You are a helpful assistant.", a
+        Gemma 4 checkpoint renders `<|turn>model` turns whose empty thought channel the loss
+        skips; the embedded demo's ChatML tokenizer has neither (`RenderConfig.for_target`)."""
+        arch = self.target()[0].architecture if self.cfg.target.path else None
+        return RenderConfig.for_target(arch, **kw)
 
     def _stage_regenerate(self):
         return regenerate_stage.run_regenerate(self)
@@ -298,10 +298,9 @@ class Pipeline(StagedRun):
         d = self.cfg.drafters
         tcfg, tparams = self.target()
         tok = self.tokenizer()
-        rc = RenderConfig(
-            max_length=max(d.train.seq_buckets), min_loss_tokens=d.min_loss_tokens,
-            default_system_prompt=self.default_system_prompt(),
-        )  # fmt: skip
+        rc = self.render_config(
+            max_length=max(d.train.seq_buckets), min_loss_tokens=d.min_loss_tokens
+        )
         # per host (issue 40): online features only; offline caches are written per process
         # from every sample (`features.write_feature_cache`)
         per_host = d.train.feature_mode == "online" and self._per_host()

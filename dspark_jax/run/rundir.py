@@ -110,7 +110,7 @@ class RunDir:
     def stop_ids(self) -> list[int]:
         tok = self.tokenizer()
         ids = []
-        for name in ("<|im_end|>", "<|endoftext|>"):
+        for name in ("<|im_end|>", "<|endoftext|>", "<turn|>"):  # ChatML, Gemma 4 end of turn
             i = tok.convert_tokens_to_ids(name)
             if isinstance(i, int) and i >= 0 and i != tok.unk_token_id:
                 ids.append(i)
@@ -120,15 +120,16 @@ class RunDir:
 
     def mask_token_id(self, tcfg: TargetConfig) -> int:
         tok = self.tokenizer()
-        i = tok.convert_tokens_to_ids("<|mask|>")
-        if isinstance(i, int) and i >= 0 and i != tok.unk_token_id:
-            return i
+        for name in ("<|mask|>", "<mask>"):  # ours; Gemma's (id 4, REFERENCE §0)
+            i = tok.convert_tokens_to_ids(name)
+            if isinstance(i, int) and i >= 0 and i != tok.unk_token_id:
+                return i
         # Qwen3 convention: the first embedding row past the tokenizer's vocabulary
         n = len(tok)
         if n >= tcfg.vocab_size:
             raise ConfigError(
-                "no <|mask|> token and no spare embedding row for the drafter's mask token — "
-                "add <|mask|> to the tokenizer"
+                "no <|mask|> or <mask> token and no spare embedding row for the drafter's mask "
+                "token — add <|mask|> to the tokenizer"
             )
         return n
 

@@ -1,0 +1,94 @@
+"""The reference's Gemma 4 target: Gemma4-12B-it (REFERENCE §0, §2.10, §8), a local checkpoint and
+your own prompts.
+
+    python train.py --config configs/dspark_gemma4_12b.py \
+        --set target.path=/models/gemma-4-12b-it \
+        --set data.conversation_files=/data/train.jsonl \
+        --set data.eval_prompt_files=/data/gsm8k.jsonl,/data/humaneval.jsonl,/data/mt-bench.jsonl
+
+Reference settings: target layers [5, 17, 29, 41, 46], mask token 4 (the tokenizer's `<mask>`,
+which the pipeline looks up), γ = 7, 5 drafter layers (Eagle3: 1), vanilla Markov head r = 256,
+512 anchors per sequence, sequences up to 4096 tokens, lr 6e-4, 512 sequences per step. The
+rendering follows the target (`Pipeline.render_config`): `<|turn>model` turns, every assistant
+content prefixed with the empty thought channel `<|channel>thought\\n<channel|>` that the loss mask
+skips, no default system prompt; `<turn|>` stops generation. The reference does not pin Gemma's
+sampling for regeneration (REFERENCE §1.2): temperature 1.0, top_p 0.95, top_k 64 here, what
+Google's Gemma 3 model cards recommend — check them against the checkpoint's
+generation_config.json (`--set regenerate.temperature=...`).
+
+Slice: one host of 8 x H100 80 GB (`SLICE`), mesh fsdp=2 x tensor=4 (`mesh`), bf16 compute and
+bf16 frozen target ("auto" on GPU), 64 anchors per rematerialized chunk; per optimizer step 512
+sequences as 256 micro-steps of 2 (1 per fsdp shard): half the Qwen3-4B preset's micro-batch, a
+cautious choice made without a plan (below) because a 262k-token vocabulary (vs Qwen's 152k) and
+a wider model grow Eagle3's logits and activations, which set the Qwen3-4B preset's micro-batch.
+
+Memory plan: NOT computed here. It needs the 12B text config (hidden size, layers, heads, head
+dims, FFN width), which could not be found offline: transformers' Gemma4 / Gemma4Unified config
+defaults are a smaller model's (30 layers, hidden 2304; the reference's feature layer 46 needs at
+least 47) and no copy of google/gemma-4-12B-it's config.json was available. The trainer prints
+its plan per device at start-up and refuses one that cannot fit, naming the field to change
+(`--set drafters.train.micro_batch_size=...` or `mesh.tensor=...`).
+
+The released checkpoint is a `gemma4_unified` model in transformers' naming
+(Gemma4UnifiedForConditionalGeneration, text config `gemma4_unified_text`): `load_target` reads
+its text decoder (tests/test_gemma4.py checks the logits against transformers on tiny random
+ones); configs/gemma4_micro.py runs this whole pipeline on a small `Gemma4ForCausalLM`.
+"""
+
+from dspark_jax.config import MeshConfig
+from dspark_jax.pipeline_config import (
+    DRAFTER_TRAIN,
+    CalibrateStage,
+    DrafterStage,
+    EvalStage,
+    PipelineConfig,
+    RegenerateStage,
+    TargetStage,
+)
+
+SLICE = "8xH100-80GB"
+TARGET_LAYER_IDS = (5, 17, 29, 41, 46)
+
+
+def config() -> PipelineConfig:
+    return PipelineConfig(
+        name="dspark_gemma4_12b",
+        run_dir="runs/dspark_gemma4_12b",
+        mesh=MeshConfig(data=1, fsdp=2, tensor=4),
+        target=TargetStage(path="", target_layer_ids=TARGET_LAYER_IDS),
+        regenerate=RegenerateStage(
+            temperature=1.0,
+            top_p=0.95,
+            top_k=64,
+            max_new_tokens=4096,
+            max_prompts=1_300_000,
+            batch_size=64,
+        ),  # fmt: skip
+        drafters=DrafterStage(
+            kinds=("dspark", "dflash", "eagle3"),
+            block_size=7,
+            num_layers=5,
+            markov_rank=256,
+            num_anchors=512,
+            train=DRAFTER_TRAIN.replace(
+                total_steps=25_000,
+                global_batch_size=512,
+                micro_batch_size=2,  # 256 micro-steps of gradient accumulation per step
+                eval_batch_size=2,
+                seq_buckets=(4096,),
+                learning_rate=6e-4,
+                eval_interval=3000,
+                checkpoint_interval=3000,
+                compute_dtype="auto",  # bf16 on GPU/TPU
+                target_dtype="auto",
+                anchor_chunk=64,
+            ),
+        ),  # fmt: skip
+        calibrate=CalibrateStage(max_prompts=500, max_new_tokens=2048),
+        evaluate=EvalStage(
+            max_prompts_per_dataset=500,
+            max_new_tokens=2048,
+            batch_size=1,
+            max_len=8192,
+        ),  # fmt: skip
+    )
