@@ -18,16 +18,16 @@ generation_config.json (`--set regenerate.temperature=...`).
 
 Slice: one host of 8 x H100 80 GB (`SLICE`), mesh fsdp=2 x tensor=4 (`mesh`), bf16 compute and
 bf16 frozen target ("auto" on GPU), 64 anchors per rematerialized chunk; per optimizer step 512
-sequences as 256 micro-steps of 2 (1 per fsdp shard): half the Qwen3-4B preset's micro-batch, a
-cautious choice made without a plan (below) because a 262k-token vocabulary (vs Qwen's 152k) and
-a wider model grow Eagle3's logits and activations, which set the Qwen3-4B preset's micro-batch.
+sequences as 256 micro-steps of 2 (1 per fsdp shard). The trainer's memory plan per device for
+google/gemma-4-12B-it's text config (48 layers, hidden 3840, a 262k vocabulary; the drafter
+layers in its global geometry, 16 heads of 512; tests/test_memory.py prints it):
 
-Memory plan: NOT computed here. It needs the 12B text config (hidden size, layers, heads, head
-dims, FFN width), which could not be found offline: transformers' Gemma4 / Gemma4Unified config
-defaults are a smaller model's (30 layers, hidden 2304; the reference's feature layer 46 needs at
-least 47) and no copy of google/gemma-4-12B-it's config.json was available. The trainer prints
-its plan per device at start-up and refuses one that cannot fit, naming the field to change
-(`--set drafters.train.micro_batch_size=...` or `mesh.tensor=...`).
+    dspark  params 4.07 GiB, optimizer 2.89 GiB, activations 1.29 GiB, logits 0.55 GiB = 8.8 GiB
+    eagle3  params 3.51 GiB, optimizer 0.93 GiB, activations 6.04 GiB, logits 22.0 GiB = 32.5 GiB
+
+of 72 GiB usable (90% of 80): Eagle3's γ TTT steps over the 262k vocabulary set the micro-batch
+(2 per fsdp shard would plan about 61 GiB). The trainer refuses a plan that cannot fit and names
+the field to change (`--set drafters.train.micro_batch_size=...` or `mesh.tensor=...`).
 
 The released checkpoint is a `gemma4_unified` model in transformers' naming
 (Gemma4UnifiedForConditionalGeneration, text config `gemma4_unified_text`): `load_target` reads

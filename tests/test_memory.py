@@ -113,17 +113,42 @@ QWEN3_4B = dict(
 )
 
 
-def _plan_4b(train_cfg, kind: str, mesh_cfg: MeshConfig):
-    """The plan of the real 4B shapes on an 8-device mesh, from abstract states only."""
+# google/gemma-4-12B-it's text config (a `gemma4_unified_text` config.json), the fields the
+# plan reads: 48 layers, every sixth global, the global layers 1 K = V head of 512
+GEMMA4_12B_TEXT = dict(
+    model_type="gemma4_unified_text", vocab_size=262144, hidden_size=3840,
+    intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+    head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+    hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, sliding_window=1024,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8,
+    rope_parameters={
+        "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6,
+                           "rope_type": "proportional"},
+        "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"},
+    },
+    final_logit_softcapping=30.0, tie_word_embeddings=True, max_position_embeddings=262144,
+    hidden_size_per_layer_input=0, vocab_size_per_layer_input=262144, num_kv_shared_layers=0,
+    enable_moe_block=False, use_double_wide_mlp=False, use_bidirectional_attention="vision",
+)  # fmt: skip
+
+
+def _gemma4_12b() -> TargetConfig:
+    from dspark_jax.models.hf_config import config_from_hf
+
+    return config_from_hf(GEMMA4_12B_TEXT, target_layer_ids=(5, 17, 29, 41, 46))
+
+
+def _plan_4b(train_cfg, kind: str, mesh_cfg: MeshConfig, tcfg=None, mask_token_id=151669):
+    """The plan of the real 4B shapes (or `tcfg`'s) on a mesh, from abstract states only."""
     from dspark_jax.drafters import init_params
     from dspark_jax.models import transformer
 
-    tcfg = TargetConfig(**QWEN3_4B)
+    tcfg = TargetConfig(**QWEN3_4B) if tcfg is None else tcfg
     make = {"dspark": DrafterConfig.dspark, "dflash": DrafterConfig.dflash}.get(kind)
     if kind == "eagle3":
         dcfg = DrafterConfig.eagle3(tcfg)
     else:
-        dcfg = make(tcfg, num_layers=5, num_anchors=512, mask_token_id=151669)
+        dcfg = make(tcfg, num_layers=5, num_anchors=512, mask_token_id=mask_token_id)
     if train_cfg.anchor_chunk >= 0 and kind != "eagle3":
         dcfg = dcfg.replace(anchor_chunk=train_cfg.anchor_chunk)
     mesh = parallel.make_mesh(mesh_cfg)
@@ -170,9 +195,8 @@ def test_4b_preset_fits_8xh100_and_the_old_numbers_do_not():
 
 def test_gemma4_12b_preset_has_the_reference_settings_on_8xh100():
     """configs/dspark_gemma4_12b.py: the reference's Gemma4-12B-it settings (REFERENCE §0, §8) on
-    the 8-device slice. Its memory plan is not checked here: that needs the 12B text config,
-    which is not available offline (the preset's docstring); train.py plans and checks it at
-    start-up, on the checkpoint's own config."""
+    the 8-device slice, and its memory plan for the 12B text config fits 80 GB for every
+    drafter."""
     import configs.dspark_gemma4_12b as preset
 
     pc = preset.config()
@@ -185,6 +209,13 @@ def test_gemma4_12b_preset_has_the_reference_settings_on_8xh100():
     cfg = d.train_config(seed=0)
     assert cfg.seq_buckets == (4096,) and cfg.learning_rate == 6e-4
     assert cfg.global_batch_size == 512 and cfg.accum_steps == 256  # 1 sequence per fsdp shard
+    tcfg = _gemma4_12b()
+    assert tcfg.gemma.layer_types.count("full_attention") == 8
+    cfg = cfg.replace(device_memory_gib=80)
+    for kind in d.kinds:
+        plan, _ = _plan_4b(cfg, kind, pc.mesh, tcfg, mask_token_id=4)
+        print(kind, plan.summary())
+        assert plan.fits, (kind, plan.summary())
 
 
 _POD_PLAN = """
