@@ -10,6 +10,15 @@ temporary file is removed.
   atomic_dir(path)             a temporary directory renamed to `path` when complete
   write_{bytes,text,json}_atomic(path, data)
 
+Paths: `as_path` turns a local path into a `pathlib.Path` (exactly as before) and a URL
+(`gs://bucket/run`, `s3://`, `az://`, `hf://`) into an `etils.epath.Path`, whose backend (fsspec /
+gcsfs, or tensorflow's gfile) writes the object store; both have the pathlib API used here. On a
+URL, `atomic_write` writes a temporary object next to the destination and renames it (a GCS
+rename is a server-side copy: the destination object appears whole or not at all), `rmtree`
+removes a tree and `move_tree` moves a directory with its completion marker copied last and
+removed first (an object store has no atomic directory rename: a reader that trusts the marker
+never sees a part). `append_text` appends to a log (an object is rewritten whole on a URL).
+
 Lives at the top of the package (not in run/) so that sched/, models/ and train/ can use it.
 """
 
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -28,14 +38,109 @@ from typing import Any
 
 import numpy as np
 
+# URL schemes `etils.epath` writes, and the package each needs (`epath` uses tensorflow's gfile
+# instead when tensorflow is installed)
+URL_BACKENDS = {"gs": "gcsfs", "s3": "s3fs", "az": "adlfs", "hf": "huggingface_hub"}
+
+
+def url_scheme(path) -> str | None:
+    """The scheme of a URL path (`gs://b/x` -> "gs"), None for a local path."""
+    s = os.fspath(path) if not isinstance(path, str) else path
+    head, sep, _ = s.partition("://")
+    return head.lower() if sep and head.isalnum() else None
+
+
+def is_url(path) -> bool:
+    return url_scheme(path) is not None
+
+
+def as_path(path):
+    """`pathlib.Path` for a local path; `etils.epath.Path` for a URL that epath writes (bucket
+    URLs on a pod). An unsupported scheme, or one whose backend is not installed, is refused in
+    one line naming what to install."""
+    if not isinstance(path, str) and not isinstance(path, os.PathLike):
+        raise TypeError(f"not a path: {path!r}")
+    scheme = url_scheme(path)
+    if scheme is None:
+        return path if isinstance(path, Path) else Path(path)
+    from dspark_jax.errors import ConfigError
+
+    if scheme not in URL_BACKENDS:
+        raise ConfigError(
+            f"{os.fspath(path)}: {scheme}:// is not a storage etils.epath writes — use a local "
+            f"path or one of {', '.join(s + '://' for s in URL_BACKENDS)}"
+        )
+    from etils import epath
+
+    p = path if isinstance(path, epath.Path) else epath.Path(os.fspath(path))
+    _check_backend(scheme, os.fspath(path))
+    return p
+
+
+def _check_backend(scheme: str, where: str) -> None:
+    import importlib.util
+
+    import fsspec
+
+    if importlib.util.find_spec("tensorflow") is not None:
+        return  # epath writes the URL through gfile
+    try:
+        fsspec.get_filesystem_class("gcs" if scheme == "gs" else scheme)
+    except (ImportError, ValueError):
+        from dspark_jax.errors import ConfigError
+
+        raise ConfigError(
+            f"{where}: writing {scheme}:// needs `pip install {URL_BACKENDS[scheme]}`"
+        ) from None
+
+
+def rmtree(path) -> None:
+    """Remove the directory tree `path` (local or URL)."""
+    p = as_path(path)
+    if isinstance(p, Path):
+        shutil.rmtree(p)
+    else:
+        p.rmtree()
+
+
+def _files_under(p) -> list:
+    """Every file below directory `p` (recursive listing through `iterdir`: fsspec's `walk`
+    returns paths without their scheme)."""
+    out = []
+    for c in p.iterdir():
+        out.extend(_files_under(c) if c.is_dir() else [c])
+    return out
+
+
+def move_tree(src, dst, *, last: str = "done.json") -> None:
+    """Move directory `src` to `dst` (which must not exist). Locally an atomic rename; on a URL,
+    every file is copied with the completion marker `last` (a file directly in `src`) copied
+    after the others, then `src` is removed marker first, so that an interruption leaves `src`
+    whole or `dst` marked complete."""
+    src, dst = as_path(src), as_path(dst)
+    if isinstance(src, Path) and isinstance(dst, Path):
+        src.rename(dst)
+        return
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists")
+    marker = src / last
+    files = [f for f in _files_under(src) if f != marker]
+    for f in files + ([marker] if marker.exists() else []):
+        out = dst / f.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        f.copy(out)
+    if marker.exists():
+        marker.unlink()
+    src.rmtree()
+
 
 def _json_default(o):
     if isinstance(o, (np.floating, np.integer)):
         return o.item()
     if isinstance(o, np.ndarray):
         return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
+    if isinstance(o, (Path, os.PathLike)):
+        return os.fspath(o)
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
@@ -46,7 +151,10 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
     If the body raises (or the process dies), `path` keeps its previous content (or stays absent)
     and the temporary file is removed. Text modes use UTF-8. Creates missing parent directories.
     """
-    path = Path(path)
+    path = as_path(path)
+    if not isinstance(path, Path):
+        yield from _atomic_write_url(path, mode)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -61,6 +169,41 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _atomic_write_url(path, mode: str):
+    """`atomic_write` on a URL: a temporary object next to `path`, renamed over it when the body
+    finished (an object store upload is committed when its file is closed, even after an error
+    in the body: hence the temporary object)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with tmp.open("wb") as raw:
+            if "b" in mode:
+                yield raw
+            else:
+                f = io.TextIOWrapper(raw, encoding="utf-8")
+                yield f
+                f.flush()
+                f.detach()
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError, OSError):
+            tmp.unlink()
+        raise
+
+
+def append_text(path, text: str) -> None:
+    """Append `text` to a log file; on a URL (no appends to an object) the log is rewritten
+    whole, atomically."""
+    p = as_path(path)
+    if isinstance(p, Path):
+        with open(p, "a") as f:
+            f.write(text)
+        return
+    old = p.read_text() if p.exists() else ""
+    with atomic_write(p) as f:
+        f.write(old + text)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,81 @@
+"""A `gs://` bucket that exists on this machine, for the pod-storage tests.
+
+Why this backend: the code under test must reach storage only through URL paths (`etils.epath`
+for files, orbax -> tensorstore for arrays), never through `os.path` / `open` / `pathlib`. Neither
+`memory://` nor `file://` URLs serve: `epath` knows only `gs://`, `s3://`, `az://` and `hf://`
+(anything else it treats as a relative local path), orbax builds tensorstore specs only for
+`gs://` (any other URL becomes a local `file` kvstore) and tensorstore's `memory` kvstore lives
+in one `ts.Context` (orbax opens a new one per save and restore, so a restore would find
+nothing). No GCS emulator or gcsfs is installed. So the tests use real `gs://bucket/...` URLs
+and swap in, below the URL layer, a store backed by a temporary directory:
+
+* fsspec's `gs` / `gcs` protocol (which `epath` uses for `gs://` without tensorflow) is a
+  `DirFileSystem` rooted there, so `epath.Path("gs://bkt/run/x")` is the file `<root>/bkt/run/x`;
+* orbax's `gcs_utils.get_kvstore_for_gcs` returns tensorstore's `file` kvstore at the same
+  place (instead of the `gcs` driver), and `is_hierarchical_namespace_enabled` says False
+  (it would ask the GCS API).
+
+Everything above those two seams runs the code path of a real bucket: orbax picks its GCS
+atomicity (`commit_success.txt` markers instead of renaming a temporary directory), epath its
+fsspec backend. A stray `os.path` / `open` on such a URL would write a relative directory
+`gs:/bkt/...` under the current directory: `FakeBucket.stray()` lists what appeared there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import fsspec
+from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+
+class FakeBucket:
+    def __init__(self, root: Path, cwd: Path):
+        self.root, self.cwd = root, cwd
+
+    def local(self, url: str) -> Path:
+        """Where `gs://...` lives on this machine (for the tests' own inspection only)."""
+        assert url.startswith("gs://")
+        return self.root / url[len("gs://") :]
+
+    def stray(self) -> list[str]:
+        """Files written under the current directory (a URL handled as a local path)."""
+        return sorted(os.listdir(self.cwd))
+
+
+def install(monkeypatch, tmp_path: Path) -> FakeBucket:
+    root = tmp_path / "bucket-store"
+    root.mkdir()
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+
+    class _GcsOnDisk(DirFileSystem):
+        protocol = ("gs", "gcs")
+
+        def __init__(self, *args, **kwargs):  # gcsfs's kwargs (finalize_on_close) ignored
+            super().__init__(path=str(root), fs=LocalFileSystem(auto_mkdir=True))
+
+    from orbax.checkpoint._src.path import gcs_utils
+
+    def kvstore(path):
+        bucket, rest = gcs_utils.parse_gcs_path(path, add_trailing_slash=False)
+        return {"driver": "file", "path": f"{root}/{bucket}/{rest}"}
+
+    for proto in ("gs", "gcs"):
+        monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, proto, _GcsOnDisk)
+    monkeypatch.setattr(gcs_utils, "get_kvstore_for_gcs", kvstore)
+    monkeypatch.setattr(gcs_utils, "is_hierarchical_namespace_enabled", lambda p: False)
+    clear_caches()
+    monkeypatch.chdir(cwd)
+    return FakeBucket(root, cwd)
+
+
+def clear_caches():
+    """epath caches one filesystem per scheme: a test's bucket must not outlive the test (call
+    again at teardown)."""
+    from etils.epath import backend
+
+    backend.fsspec_backend._get_filesystem.cache_clear()

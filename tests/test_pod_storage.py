@@ -1,0 +1,124 @@
+"""Pod storage (issue 40 item 2): checkpoints and run-directory stage outputs on a bucket URL.
+
+Every test writes to `gs://bkt/...` through the fake bucket of `fake_bucket.py` (why that backend:
+see its docstring): a real `gs://` URL down to the filesystem calls, a local directory below.
+Each test checks that nothing landed under the current directory (a `gs://` URL handled by
+`os.path` / `open` / `pathlib` would have written a relative `gs:/...` there)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+from toy_train import base_config, toy_trainer
+
+import fake_bucket
+from dspark_jax.errors import ConfigError
+from dspark_jax.io import as_path, atomic_write, move_tree, write_json_atomic
+from dspark_jax.run.store import StageStore
+from dspark_jax.train.checkpoint import Checkpointer, CheckpointWarning
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture
+def bucket(monkeypatch, tmp_path):
+    b = fake_bucket.install(monkeypatch, tmp_path)
+    yield b
+    assert b.stray() == [], "something was written as a local path"
+    fake_bucket.clear_caches()
+
+
+def test_trainer_checkpoints_to_a_bucket_and_resumes_exactly(bucket, tmp_path):
+    """The toy trainer checkpoints to gs://, its losses equal a local run's; a step whose commit
+    marker never landed (killed between the arrays and `commit_success.txt`) is not resumed
+    from: the resumed run restarts at the previous step and redoes the rest bit for bit."""
+    cfg = base_config(total_steps=4, checkpoint_interval=2, eval_interval=2)
+    local = toy_trainer(tmp_path / "local", cfg, n_eval=2)
+    ref = local.run()
+    local.close()
+
+    url = "gs://bkt/runs/toy"
+    t = toy_trainer(url, cfg, n_eval=2)
+    assert str(t.ckpt.directory) == f"{url}/checkpoints"
+    res = t.run()
+    t.close()
+    assert [h["loss"] for h in res.history] == [h["loss"] for h in ref.history]
+    on_disk = bucket.local(f"{url}/checkpoints")
+    assert sorted(p.name for p in on_disk.iterdir()) == ["2", "4"]
+    assert (on_disk / "4" / "commit_success.txt").is_file()  # orbax's bucket atomicity
+    assert not list(on_disk.glob("*orbax-checkpoint-tmp*"))
+    assert (bucket.local(url) / "config.json").is_file()
+
+    (on_disk / "4" / "commit_success.txt").unlink()  # the commit marker of step 4 never landed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        again = toy_trainer(url, cfg, n_eval=2)
+    assert again.resumed_from == 2
+    res2 = again.run()
+    again.close()
+    assert [h["loss"] for h in res2.history] == [h["loss"] for h in ref.history[2:]]
+    assert again.best_step == local.best_step
+    # the log on the bucket was trimmed to step 2 on resume and appended to: as the local run's
+    logged = as_path(f"{url}/metrics.jsonl").read_text().splitlines()
+    want = (tmp_path / "local" / "metrics.jsonl").read_text().splitlines()
+    drop = ("time", "seconds", "steps_per_s", "tokens_per_s")
+    assert [{k: v for k, v in json.loads(x).items() if k not in drop} for x in logged] == [
+        {k: v for k, v in json.loads(x).items() if k not in drop} for x in want
+    ]
+    assert Checkpointer(f"{url}/checkpoints").steps() == [2, 4]
+
+
+def test_checkpoint_refusals_name_the_fix(bucket):
+    with pytest.raises(ConfigError, match="gs:// buckets only"):
+        Checkpointer("s3://bkt/ck")
+    with pytest.raises(ConfigError, match="not a storage etils.epath writes"):
+        as_path("memory://bkt/run")
+
+
+def test_missing_backend_names_the_package(monkeypatch):
+    import fsspec
+
+    def no_gcsfs(protocol):
+        raise ImportError("Install gcsfs to access Google Storage")
+
+    monkeypatch.setattr(fsspec, "get_filesystem_class", no_gcsfs)
+    with pytest.raises(ConfigError, match="pip install gcsfs"):
+        as_path("gs://bkt/run")
+
+
+def test_interrupted_writes_leave_no_half_output(bucket):
+    """A writer killed between its temporary object and the rename, and a stage moved into
+    place with its marker copied last, never show a part under the real name."""
+    out = "gs://bkt/run/evaluate/report.json"
+    write_json_atomic(out, {"v": 1})
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_write(out) as f:
+            f.write('{"v": 2, "trunc')
+            raise KeyboardInterrupt
+    assert json.loads(as_path(out).read_text()) == {"v": 1}
+    assert [p.name for p in bucket.local("gs://bkt/run/evaluate").iterdir()] == ["report.json"]
+
+    # a stage folder moved into place: a crash while copying leaves the destination unmarked
+    src, dst = "gs://bkt/run/work/s.k", "gs://bkt/run/s"
+    write_json_atomic(f"{src}/data.json", [1, 2])
+    np.save(bucket.local(src) / "x.npy", np.arange(3))
+    write_json_atomic(f"{src}/done.json", {"key": "k"})
+    real_copy = type(as_path(src)).copy
+    copied = []
+
+    def dying_copy(self, dst_path, overwrite=False):
+        if len(copied) == 1:
+            raise KeyboardInterrupt  # killed after the first file
+        copied.append(self.name)
+        return real_copy(self, dst_path, overwrite=overwrite)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(as_path(src)), "copy", dying_copy)
+        with pytest.raises(KeyboardInterrupt):
+            move_tree(src, dst)
+    assert copied and "done.json" not in copied
+    assert StageStore.read_done(as_path(dst)) is None  # unmarked: never taken for finished
+    assert StageStore.read_done(as_path(src)) == {"key": "k"}  # the source is whole
