@@ -27,7 +27,6 @@ import os
 import sys
 from pathlib import Path
 
-import fsspec
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 

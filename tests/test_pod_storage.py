@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import warnings
 
+import fake_bucket
 import numpy as np
 import pytest
 from toy_train import base_config, toy_trainer
 
-import fake_bucket
 from dspark_jax.errors import ConfigError
 from dspark_jax.io import as_path, atomic_write, move_tree, write_json_atomic
 from dspark_jax.run.store import StageStore
