@@ -263,7 +263,7 @@ class FileHasher:
     checkpoint is read once, not at every start."""
 
     def __init__(self, cache_file: str | os.PathLike | None = None):
-        self.cache_file = Path(cache_file) if cache_file else None
+        self.cache_file = as_path(cache_file) if cache_file else None
         self._memo: dict[str, dict] = {}
         if self.cache_file and self.cache_file.is_file():
             try:
@@ -273,14 +273,19 @@ class FileHasher:
         self._dirty = False
 
     def file(self, path: str | os.PathLike) -> str:
-        p = Path(path).resolve()
-        st = p.stat()
-        stamp = [st.st_size, st.st_mtime_ns]
+        if is_url(path):  # (on a bucket: size and modification time as the backend reports)
+            p = as_path(path)
+            st = p.stat()
+            stamp = [st.length, st.mtime]
+        else:
+            p = Path(path).resolve()
+            st = p.stat()
+            stamp = [st.st_size, st.st_mtime_ns]
         got = self._memo.get(str(p))
         if got and got.get("stamp") == stamp:
             return got["sha256"]
         h = hashlib.sha256()
-        with open(p, "rb") as f:
+        with p.open("rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
         digest = h.hexdigest()[:16]
@@ -290,7 +295,7 @@ class FileHasher:
 
     def tree(self, path: str | os.PathLike, patterns=("*",)) -> dict[str, str]:
         """{relative name: hash} of the files in directory `path` matching `patterns`."""
-        root = Path(path)
+        root = as_path(path)
         out = {}
         for pat in patterns:
             for f in sorted(root.glob(pat)):
@@ -299,6 +304,10 @@ class FileHasher:
         return out
 
     def save(self) -> None:
-        if self.cache_file and self._dirty and self.cache_file.parent.is_dir():
+        if (
+            self.cache_file
+            and self._dirty
+            and (is_url(self.cache_file) or self.cache_file.parent.is_dir())
+        ):
             write_json_atomic(self.cache_file, self._memo)
             self._dirty = False

@@ -122,3 +122,63 @@ def test_interrupted_writes_leave_no_half_output(bucket):
     assert copied and "done.json" not in copied
     assert StageStore.read_done(as_path(dst)) is None  # unmarked: never taken for finished
     assert StageStore.read_done(as_path(src)) == {"key": "k"}  # the source is whole
+
+
+def _commit(store: StageStore, stage: str, key: str, payload: str):
+    w = store.begin(stage, key, force=False)
+    (w / "weights.txt").write_text(payload)
+    store.commit(stage, key, {}, force=False)
+
+
+def test_stage_store_on_a_bucket_keeps_restores_and_bounds_versions(bucket):
+    """tests/test_run_store.py's store lifecycle with the run directory on gs://."""
+    run = as_path("gs://bkt/run")
+    logs = []
+    store = StageStore("gs://bkt/run", keep=2, log=logs.append)
+    _commit(store, "drafters", "aaaa", "A")
+    _commit(store, "drafters", "bbbb", "B")
+    assert (run / "drafters" / "weights.txt").read_text() == "B"
+    assert (run / "previous" / "drafters.aaaa" / "weights.txt").read_text() == "A"
+    assert store.recover("drafters", "aaaa")
+    assert (run / "drafters" / "weights.txt").read_text() == "A"
+    assert (run / "previous" / "drafters.bbbb" / "weights.txt").read_text() == "B"
+    for k in ("cccc", "dddd", "eeee"):
+        _commit(store, "drafters", k, k)
+    kept = sorted(p.name for p in (run / "previous").iterdir())
+    assert kept == ["drafters.cccc", "drafters.dddd"], kept  # the newest two
+    # a failed build leaves the current output; --force moves trained weights aside
+    w = store.begin("drafters", "ffff", force=False)
+    (w / "partial.txt").write_text("half")
+    assert store.is_done("drafters", "eeee") and not store.is_done("drafters", "ffff")
+    assert (store.begin("drafters", "ffff", force=False) / "partial.txt").exists()
+    assert not (store.begin("drafters", "ffff", force=True) / "partial.txt").exists()
+
+
+def test_pipeline_stage_on_a_bucket_run_dir(bucket):
+    """The corpus stage of configs/micro.py into gs://: built, swapped in, cached; a changed
+    configuration keeps the previous output under previous/ and restores it when it returns."""
+    import runpy
+    from pathlib import Path
+
+    from dspark_jax.pipeline_config import apply_overrides
+    from dspark_jax.run.pipeline import Pipeline
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = runpy.run_path(str(root / "configs" / "micro.py"))["config"]()
+    cfg = apply_overrides(cfg, ["run_dir=gs://bkt/runs/micro", "data.corpus.n_math=20"])
+    logs = []
+    assert Pipeline(cfg, log=logs.append).run_stages(("corpus",)) == {"corpus": "ran"}
+    first = Pipeline(cfg, log=logs.append).key("corpus")
+    run = as_path("gs://bkt/runs/micro")
+    assert StageStore.read_done(run / "corpus")["key"] == first
+    assert (run / "corpus" / "train_conversations.jsonl").is_file()
+    assert Pipeline(cfg, log=logs.append).run_stages(("corpus",)) == {"corpus": "cached"}
+    cfg2 = apply_overrides(cfg, ["data.corpus.n_math=30"])
+    assert Pipeline(cfg2, log=logs.append).run_stages(("corpus",)) == {"corpus": "ran"}
+    assert (run / "previous" / f"corpus.{first}" / "done.json").is_file()
+    assert Pipeline(cfg, log=logs.append).run_stages(("corpus",)) == {"corpus": "cached"}
+    assert any("restored the output of this configuration" in m for m in logs)
+    assert json.loads((run / "config.json").read_text())["data"]["corpus"]["n_math"] == 20
+    assert json.loads((run / "config.json").read_text())["run_dir"] == "gs://bkt/runs/micro"
+    # no temporary object survived
+    assert not [p for p in bucket.local("gs://bkt/runs/micro").rglob("*.tmp")]

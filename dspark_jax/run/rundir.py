@@ -31,6 +31,7 @@ from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.compat import TargetId, vocab_hash
 from dspark_jax.drafters.hf import save_hf_drafter
 from dspark_jax.errors import CheckpointError, ConfigError, RequestError
+from dspark_jax.io import as_path, is_url
 from dspark_jax.models.hf import load_target, load_tokenizer
 from dspark_jax.parallel import shard_params
 from dspark_jax.pipeline_config import PipelineConfig
@@ -47,7 +48,9 @@ class RunDir:
     def __init__(self, path, config: PipelineConfig | None = None, mesh=None):
         """`mesh` (a `jax.sharding.Mesh`, default None = one device): the target, the drafters
         and the decoders are placed on it by the logical-axis table (`parallel.LOGICAL_RULES`)."""
-        self.path = Path(path).expanduser().resolve()
+        # a local path (made absolute) or a bucket URL (`io.as_path`)
+        self.path = path if is_url(path) else Path(path).expanduser().resolve()
+        self.path = as_path(self.path)
         self.mesh = mesh
         if config is None:
             config = self._read_config()

@@ -20,7 +20,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from dspark_jax.errors import ConfigError
-from dspark_jax.io import FileHasher, canonical_hash, write_json_atomic
+from dspark_jax.io import FileHasher, as_path, canonical_hash, write_json_atomic
 from dspark_jax.pipeline_config import STAGES, PipelineConfig, absolute_paths
 from dspark_jax.run.eta import PipelineEta
 from dspark_jax.run.rundir import RunDir
@@ -58,7 +58,7 @@ class StagedRun:
         validate_config(cfg)
         cfg = absolute_paths(cfg)
         self.cfg = cfg
-        self.run = Path(cfg.run_dir)
+        self.run = as_path(cfg.run_dir)  # a local path or a bucket URL
         self.log = log
         self.timings: dict[str, float] = {}
         self.status: dict[str, str] = {}

@@ -87,8 +87,9 @@ class STS:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> STS:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        from dspark_jax.io import as_path
+
+        return cls.from_dict(json.loads(as_path(path).read_text()))
 
 
 def _ece_rows(pred_GxN: np.ndarray, y_N: np.ndarray, n_bins: int) -> np.ndarray:
