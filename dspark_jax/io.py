@@ -112,26 +112,68 @@ def _files_under(p) -> list:
     return out
 
 
+def _copy_file(src, dst) -> None:
+    """Copy one file between any two of local paths and URLs (server-side between URLs)."""
+    if not isinstance(src, Path) and not isinstance(dst, Path):
+        src.copy(dst, overwrite=True)
+        return
+    with src.open("rb") as a, dst.open("wb") as b:
+        shutil.copyfileobj(a, b, 1 << 22)
+
+
+def copy_tree(src, dst, *, last: str | None = None) -> None:
+    """Copy directory `src` into `dst` (local paths or URLs, in any combination), the file
+    `last` (directly in `src`: a completion marker such as done.json) after all others."""
+    src, dst = as_path(src), as_path(dst)
+    marker = src / last if last else None
+    files = [f for f in _files_under(src) if f != marker]
+    for f in files + ([marker] if marker is not None and marker.exists() else []):
+        out = dst / f.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _copy_file(f, out)
+
+
 def move_tree(src, dst, *, last: str = "done.json") -> None:
-    """Move directory `src` to `dst` (which must not exist). Locally an atomic rename; on a URL,
-    every file is copied with the completion marker `last` (a file directly in `src`) copied
-    after the others, then `src` is removed marker first, so that an interruption leaves `src`
-    whole or `dst` marked complete."""
+    """Move directory `src` to `dst` (which must not exist). Between local paths an atomic
+    rename; otherwise every file is copied with the completion marker `last` (a file directly in
+    `src`) copied after the others, then `src` is removed marker first, so that an interruption
+    leaves `src` whole or `dst` marked complete."""
     src, dst = as_path(src), as_path(dst)
     if isinstance(src, Path) and isinstance(dst, Path):
         src.rename(dst)
         return
     if dst.exists():
         raise FileExistsError(f"{dst} exists")
+    copy_tree(src, dst, last=last)
     marker = src / last
-    files = [f for f in _files_under(src) if f != marker]
-    for f in files + ([marker] if marker.exists() else []):
-        out = dst / f.relative_to(src)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        f.copy(out)
     if marker.exists():
         marker.unlink()
-    src.rmtree()
+    rmtree(src)
+
+
+def local_copy(url, *, stamp: str = "") -> Path:
+    """A local directory holding the files of directory `url` (for readers that need a POSIX
+    path: Hugging Face tokenizers, safetensors); a local path is returned as is. The copy is
+    cached under `$DSPARK_CACHE` (default ~/.cache/dspark_jax/remote), keyed by the URL and
+    `stamp` (e.g. the stage key its done.json records), and made atomically (`atomic_dir`)."""
+    src = as_path(url)
+    if isinstance(src, Path):
+        return src
+    cache = Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark_jax")
+    out = cache / "remote" / hashlib.sha256(f"{src}|{stamp}".encode()).hexdigest()[:20]
+    if out.is_dir():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        copy_tree(src, tmp)
+        if not out.exists():  # (another process may have made it meanwhile)
+            with contextlib.suppress(OSError):
+                os.rename(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
 
 
 def _json_default(o):

@@ -47,9 +47,9 @@ class FakeBucket:
 
 def install(monkeypatch, tmp_path: Path) -> FakeBucket:
     root = tmp_path / "bucket-store"
-    root.mkdir()
+    root.mkdir(exist_ok=True)
     cwd = tmp_path / "cwd"
-    cwd.mkdir()
+    cwd.mkdir(exist_ok=True)
 
     class _GcsOnDisk(DirFileSystem):
         protocol = ("gs", "gcs")
@@ -78,3 +78,15 @@ def clear_caches():
     from etils.epath import backend
 
     backend.fsspec_backend._get_filesystem.cache_clear()
+
+
+if __name__ == "__main__":
+    # `python fake_bucket.py <tmp_path> train.py-arguments...`: the train.py CLI with gs:// on the
+    # fake bucket under <tmp_path> (a subprocess gets its own devices, as a user's run does)
+    import pytest
+
+    from dspark_jax.cli.train import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        install(mp, Path(sys.argv[1]))
+        sys.exit(main(sys.argv[2:]))

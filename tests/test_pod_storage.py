@@ -182,3 +182,54 @@ def test_pipeline_stage_on_a_bucket_run_dir(bucket):
     assert json.loads((run / "config.json").read_text())["run_dir"] == "gs://bkt/runs/micro"
     # no temporary object survived
     assert not [p for p in bucket.local("gs://bkt/runs/micro").rglob("*.tmp")]
+
+
+def test_micro_pipeline_on_a_bucket_run_dir(bucket, tmp_path, monkeypatch):
+    """`train.py --config configs/micro.py --run-dir gs://...` (one drafter, no speed timing; a
+    subprocess on one device, like a user's run, with this test's fake bucket): every stage's
+    output, done.json and config.json land in the bucket (stage bodies build in a local scratch
+    folder, uploaded before their done.json; the drafter's training checkpoints go to the bucket
+    directly); a second run finds every stage cached; the run directory loads from the URL and
+    exports its drafter to the bucket."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dspark_jax.pipeline_config import STAGES
+    from dspark_jax.run.rundir import RunDir
+
+    here = Path(__file__).resolve().parent
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DSPARK_CACHE", str(cache))
+    env = dict(os.environ, TQDM_DISABLE="1", DSPARK_CACHE=str(cache))
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent), env.get("PYTHONPATH", "")])
+    url = "gs://bkt/runs/micro"
+    args = ["--config", str(here.parent / "configs" / "micro.py"), "--run-dir", url,
+            "--set", "drafters.kinds=dspark", "--set", "evaluate.speed_reps=0"]  # fmt: skip
+
+    def train():
+        p = subprocess.run(
+            [sys.executable, str(here / "fake_bucket.py"), str(tmp_path), *args],
+            cwd=bucket.cwd, env=env, capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        return p.stdout + p.stderr
+
+    out = train()
+    run = as_path(url)
+    for s in STAGES:
+        assert StageStore.read_done(run / s) is not None, (s, out[-3000:])
+    assert (run / "evaluate" / "report.json").is_file()
+    assert (run / "target" / "hf" / "model.safetensors").is_file()
+    best = bucket.local(f"{url}/drafters/dspark/best")
+    assert all((d / "commit_success.txt").is_file() for d in best.iterdir()), list(best.iterdir())
+    assert not list(bucket.local(url).rglob("*.tmp"))
+    assert not list((cache / "scratch").rglob("*.*")), "a scratch folder was left behind"
+    out2 = train()
+    assert all(f"{s}: cached" in out2 for s in STAGES), out2[-2000:]
+    rd = RunDir(url)
+    assert rd.config.run_dir == url and rd.sts() is not None
+    exported = rd.export_drafter("dspark", "gs://bkt/exports/dspark")
+    assert (exported / "config.json").is_file() and (exported / "model.safetensors").is_file()

@@ -326,7 +326,7 @@ class Pipeline(StagedRun):
             dcfg = self.rundir.drafter_config(kind, tcfg)
             trainer = Trainer.for_drafter(
                 d.train, dcfg, tparams, train_data=train_s,
-                eval_data=eval_s, run_dir=self.stage_dir("drafters") / kind,
+                eval_data=eval_s, run_dir=self.durable_dir("drafters") / kind,
                 mesh=self.mesh, target_name=self.rundir.target_name(),
                 vocab_hash=self.rundir.vocab_hash(),
             )  # fmt: skip
