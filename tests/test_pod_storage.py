@@ -16,8 +16,9 @@ import pytest
 from toy_train import base_config, toy_trainer
 
 from dspark_jax.errors import ConfigError
-from dspark_jax.io import as_path, atomic_write, move_tree, write_json_atomic
+from dspark_jax.io import atomic_write, write_json_atomic
 from dspark_jax.run.store import StageStore
+from dspark_jax.storage import as_path, move_tree
 from dspark_jax.train.checkpoint import Checkpointer, CheckpointWarning
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -92,20 +93,22 @@ def test_missing_backend_names_the_package(monkeypatch):
 def test_interrupted_writes_leave_no_half_output(bucket):
     """A writer killed between its temporary object and the rename, and a stage moved into
     place with its marker copied last, never show a part under the real name."""
-    out = "gs://bkt/run/evaluate/report.json"
+    out = as_path("gs://bkt/run/evaluate/report.json")
+    with pytest.raises(ValueError, match="storage.as_path"):
+        write_json_atomic(str(out), {"v": 0})  # io.py (stdlib only) takes no URL strings
     write_json_atomic(out, {"v": 1})
     with pytest.raises(KeyboardInterrupt):
         with atomic_write(out) as f:
             f.write('{"v": 2, "trunc')
             raise KeyboardInterrupt
-    assert json.loads(as_path(out).read_text()) == {"v": 1}
+    assert json.loads(out.read_text()) == {"v": 1}
     assert [p.name for p in bucket.local("gs://bkt/run/evaluate").iterdir()] == ["report.json"]
 
     # a stage folder moved into place: a crash while copying leaves the destination unmarked
     src, dst = "gs://bkt/run/work/s.k", "gs://bkt/run/s"
-    write_json_atomic(f"{src}/data.json", [1, 2])
+    write_json_atomic(as_path(f"{src}/data.json"), [1, 2])
     np.save(bucket.local(src) / "x.npy", np.arange(3))
-    write_json_atomic(f"{src}/done.json", {"key": "k"})
+    write_json_atomic(as_path(f"{src}/done.json"), {"key": "k"})
     real_copy = type(as_path(src)).copy
     copied = []
 

@@ -42,7 +42,8 @@ from dspark_jax.demo.corpus_config import (
 )
 from dspark_jax.demo.corpus_math import MATH_TEMPLATES, math_chats, math_problem
 from dspark_jax.demo.corpus_sources import code_chats, prose_chats, stdlib_files
-from dspark_jax.io import as_path, atomic_write
+from dspark_jax.io import atomic_write
+from dspark_jax.storage import as_path
 from dspark_jax.train.data import Conversation, Prompt, write_conversations, write_prompts
 
 # ------------------------------------------------------------------------------------------------

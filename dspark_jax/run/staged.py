@@ -31,20 +31,13 @@ import jax
 from jax.experimental import multihost_utils
 
 from dspark_jax.errors import ConfigError
-from dspark_jax.io import (
-    FileHasher,
-    as_path,
-    canonical_hash,
-    copy_tree,
-    is_url,
-    local_copy,
-    write_json_atomic,
-)
+from dspark_jax.io import FileHasher, canonical_hash, write_json_atomic
 from dspark_jax.pipeline_config import STAGES, PipelineConfig, absolute_paths
 from dspark_jax.run.eta import PipelineEta
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.run.store import StageStore
 from dspark_jax.run.validate import check_stage_names, validate_config, validate_inputs
+from dspark_jax.storage import as_path, copy_tree, is_url, local_copy
 from dspark_jax.train.data_tfds import tfds_source
 
 _TOKENIZER_FILES = ("tokenizer*.json", "*.jinja", "special_tokens_map.json", "vocab*", "merges*")

@@ -26,7 +26,8 @@ import json
 import time
 from pathlib import Path
 
-from dspark_jax.io import as_path, is_url, move_tree, rmtree, write_json_atomic
+from dspark_jax.io import write_json_atomic
+from dspark_jax.storage import as_path, is_url, move_tree, rmtree
 
 PROTECTED = ("target", "drafters")  # trained weights: moved aside even under --force
 

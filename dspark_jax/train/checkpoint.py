@@ -47,7 +47,8 @@ from jax.experimental import multihost_utils
 from dspark_jax.compat import check_trained_block, check_trained_window
 from dspark_jax.drafters.compat import check_fits, recorded_target
 from dspark_jax.errors import CheckpointError, ConfigError
-from dspark_jax.io import as_path, atomic_write, is_url, url_scheme
+from dspark_jax.io import atomic_write
+from dspark_jax.storage import as_path, is_url, url_scheme
 
 log = logging.getLogger(__name__)
 

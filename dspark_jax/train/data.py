@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from dspark_jax.errors import DataError
-from dspark_jax.io import as_path, atomic_write
+from dspark_jax.io import atomic_write
+from dspark_jax.storage import as_path
 from dspark_jax.templates import RenderConfig, assistant_char_spans, render_conversation
 
 # Role names as they appear in sources → our two roles. Anything else is dropped (REFERENCE §1.1).

@@ -54,8 +54,8 @@ from dspark_jax.config import DrafterConfig, MeshConfig, TargetConfig, TrainConf
 from dspark_jax.drafters import init_params
 from dspark_jax.drafters.compat import check_fits
 from dspark_jax.errors import ConfigError
-from dspark_jax.io import append_text, as_path
 from dspark_jax.spec.metrics import heldout_summary
+from dspark_jax.storage import append_text, as_path
 from dspark_jax.train import loader as loader_lib
 from dspark_jax.train import losses
 from dspark_jax.train import memory as memory_lib
