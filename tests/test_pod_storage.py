@@ -210,7 +210,8 @@ def test_micro_pipeline_on_a_bucket_run_dir(bucket, tmp_path, monkeypatch):
     env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent), env.get("PYTHONPATH", "")])
     url = "gs://bkt/runs/micro"
     args = ["--config", str(here.parent / "configs" / "micro.py"), "--run-dir", url,
-            "--set", "drafters.kinds=dspark", "--set", "evaluate.speed_reps=0"]  # fmt: skip
+            "--set", "drafters.kinds=dspark", "--set", "evaluate.speed_reps=0",
+            "--set", "target.train.checkpoint_interval=15"]  # fmt: skip
 
     def train():
         p = subprocess.run(
@@ -226,8 +227,10 @@ def test_micro_pipeline_on_a_bucket_run_dir(bucket, tmp_path, monkeypatch):
         assert StageStore.read_done(run / s) is not None, (s, out[-3000:])
     assert (run / "evaluate" / "report.json").is_file()
     assert (run / "target" / "hf" / "model.safetensors").is_file()
-    best = bucket.local(f"{url}/drafters/dspark/best")
-    assert all((d / "commit_success.txt").is_file() for d in best.iterdir()), list(best.iterdir())
+    # the training checkpoints (target and drafter) were written to the bucket by orbax
+    for ck in ("target/ckpt", "drafters/dspark/checkpoints", "drafters/dspark/best"):
+        steps = list(bucket.local(f"{url}/{ck}").iterdir())
+        assert steps and all((d / "commit_success.txt").is_file() for d in steps), (ck, steps)
     assert not list(bucket.local(url).rglob("*.tmp"))
     assert not list((cache / "scratch").rglob("*.*")), "a scratch folder was left behind"
     out2 = train()

@@ -209,8 +209,8 @@ class Pipeline(StagedRun):
             f"  target: {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, vocab {vocab}; "
             f"{n_tokens} training tokens"
         )
-        params, log = train_lm(
-            tcfg, train, t.train, self.stage_dir("target"), heldout_token_lists=held
+        params, log = train_lm(  # its checkpoints: in the bucket for a bucket run directory
+            tcfg, train, t.train, self.durable_dir("target"), heldout_token_lists=held
         )
         save_target_hf(tcfg, params, self.stage_dir("target") / "hf", tokenizer=tok)
         self.rundir.forget("target")

@@ -97,7 +97,8 @@ def regen_target(p):
         return p.target()
     if "regen_target" not in p.rundir._cache:
         p.rundir._cache["regen_target"] = load_target(
-            p.rundir.local_path(p.rundir.target_path(), "target"), mesh=parallel.local_mesh(p.cfg.mesh),
+            p.rundir.local_path(p.rundir.target_path(), "target"),
+            mesh=parallel.local_mesh(p.cfg.mesh),
             target_layer_ids=p.cfg.target.target_layer_ids or None,
         )  # fmt: skip
     return p.rundir._cache["regen_target"]

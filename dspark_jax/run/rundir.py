@@ -49,7 +49,7 @@ class RunDir:
     def __init__(self, path, config: PipelineConfig | None = None, mesh=None):
         """`mesh` (a `jax.sharding.Mesh`, default None = one device): the target, the drafters
         and the decoders are placed on it by the logical-axis table (`parallel.LOGICAL_RULES`)."""
-        # a local path (made absolute) or a bucket URL (`io.as_path`)
+        # a local path (made absolute) or a bucket URL (`storage.as_path`)
         self.path = path if is_url(path) else Path(path).expanduser().resolve()
         self.path = as_path(self.path)
         self.mesh = mesh
@@ -101,8 +101,8 @@ class RunDir:
 
     def local_path(self, path, stage: str) -> Path:
         """`path` itself, or for a URL (a run directory on a bucket) a cached local copy of it
-        (`io.local_copy`, keyed by `stage`'s done.json key): tokenizers and safetensors are read
-        from POSIX paths."""
+        (`storage.local_copy`, keyed by `stage`'s done.json key): tokenizers and safetensors
+        are read from POSIX paths."""
         if not is_url(path):
             return Path(path)
         done = as_path(self.stage_dir(stage)) / "done.json"

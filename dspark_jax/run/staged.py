@@ -12,9 +12,9 @@ A run directory on a bucket (`run_dir=gs://...`): the bookkeeping (done.json, co
 stage folders) lives in the bucket; a stage body, which writes with libraries that need POSIX
 paths (tokenizers, safetensors, numpy memmaps), builds in a local scratch folder (`scratch_dir`)
 that is uploaded into the bucket's work folder when the stage finished, before its done.json; a
-finished stage is read from a cached local copy (`io.local_copy`). Work that must survive the
-machine (the drafters' training checkpoints, regenerated shards, written by every process) goes
-to `durable_dir`: the bucket's work folder itself.
+finished stage is read from a cached local copy (`storage.local_copy`). Work that must survive the
+machine (the target's and drafters' training checkpoints, regenerated shards: written by every
+process) goes to `durable_dir`: the bucket's work folder itself.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ versions per stage are kept in `previous/` (and `work/`); older ones are removed
 `--force` discards a stage's partial work and its current output, except that a finished target
 or drafter checkpoint is moved to `previous/<stage>.<key>.forced-<time>`, never deleted.
 
-`<run>` may be a bucket URL (`io.as_path`): an object store has no atomic directory rename, so a
-folder is moved with `io.move_tree` (done.json copied last and removed first): an interrupted
-move leaves a destination without done.json, which is never taken for a finished output.
+`<run>` may be a bucket URL (`storage.as_path`): an object store has no atomic directory
+rename, so a folder is moved with `storage.move_tree` (done.json copied last and removed first):
+an interrupted move leaves a destination without done.json, never taken for a finished output.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ class Trainer(TrainerSetup):
         self.cfg = cfg = memory_lib.resolve_dtypes(cfg)  # "auto": bf16 on accelerators, f32 on CPU
         self.drafter_cfg, self.target_cfg = drafter_cfg, target_cfg
         self.mesh = mesh if mesh is not None else parallel.make_mesh(MeshConfig())
-        self.run_dir = as_path(run_dir)  # a local path or a bucket URL (`io.as_path`)
+        self.run_dir = as_path(run_dir)  # a local path or a bucket URL (`storage.as_path`)
         self.is_main = jax.process_index() == 0
         target_params = self._validate(train_data, eval_data, target_params, frozen, resume)
         self.spec = steps_lib.StepStatics.of(cfg, loss_fn, target_cfg)
