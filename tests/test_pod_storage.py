@@ -237,5 +237,8 @@ def test_micro_pipeline_on_a_bucket_run_dir(bucket, tmp_path, monkeypatch):
     assert all(f"{s}: cached" in out2 for s in STAGES), out2[-2000:]
     rd = RunDir(url)
     assert rd.config.run_dir == url and rd.sts() is not None
+    packaged = here.parent / "dspark_jax" / "data" / "decode_cost.tiny.json"
+    (run / "cost_profile.json").write_text(packaged.read_text())
+    assert rd.cost_profile() is not None
     exported = rd.export_drafter("dspark", "gs://bkt/exports/dspark")
     assert (exported / "config.json").is_file() and (exported / "model.safetensors").is_file()
