@@ -11,6 +11,7 @@ and swap in, below the URL layer, a store backed by a temporary directory:
 
 * fsspec's `gs` / `gcs` protocol (which `epath` uses for `gs://` without tensorflow) is a
   `DirFileSystem` rooted there, so `epath.Path("gs://bkt/run/x")` is the file `<root>/bkt/run/x`;
+  like a bucket it makes no empty folders (`mkdir` is a no-op);
 * orbax's `gcs_utils.get_kvstore_for_gcs` returns tensorstore's `file` kvstore at the same
   place (instead of the `gcs` driver), and `is_hierarchical_namespace_enabled` says False
   (it would ask the GCS API).
@@ -56,6 +57,14 @@ def install(monkeypatch, tmp_path: Path) -> FakeBucket:
 
         def __init__(self, *args, **kwargs):  # gcsfs's kwargs (finalize_on_close) ignored
             super().__init__(path=str(root), fs=LocalFileSystem(auto_mkdir=True))
+
+        # as on a bucket, a folder exists only while objects are under it: making one is a no-op
+        # (writing a file creates its parents here), and code that needs an empty folder fails
+        def mkdir(self, path, create_parents=True, **kwargs):
+            pass
+
+        def makedirs(self, path, exist_ok=False):
+            pass
 
     from orbax.checkpoint._src.path import gcs_utils
 
