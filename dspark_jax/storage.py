@@ -65,13 +65,15 @@ def as_path(path):
 
 
 def _check_backend(scheme: str, where: str) -> None:
+    """Refuse in one line a URL whose epath backend is not installed (fsspec + gcsfs / s3fs /
+    ..., or tensorflow's gfile)."""
     import importlib.util
-
-    import fsspec
 
     if importlib.util.find_spec("tensorflow") is not None:
         return  # epath writes the URL through gfile
     try:
+        import fsspec
+
         fsspec.get_filesystem_class("gcs" if scheme == "gs" else scheme)
     except (ImportError, ValueError):
         raise ConfigError(

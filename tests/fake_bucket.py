@@ -3,11 +3,11 @@
 Why this backend: the code under test must reach storage only through URL paths (`etils.epath`
 for files, orbax -> tensorstore for arrays), never through `os.path` / `open` / `pathlib`. Neither
 `memory://` nor `file://` URLs serve: `epath` knows only `gs://`, `s3://`, `az://` and `hf://`
-(anything else it treats as a relative local path), orbax builds tensorstore specs only for
-`gs://` (any other URL becomes a local `file` kvstore) and tensorstore's `memory` kvstore lives
-in one `ts.Context` (orbax opens a new one per save and restore, so a restore would find
-nothing). No GCS emulator or gcsfs is installed. So the tests use real `gs://bucket/...` URLs
-and swap in, below the URL layer, a store backed by a temporary directory:
+(`epath.Path("memory://x")` raises KeyError), orbax builds a remote tensorstore spec only for
+`gs://` (any other URL goes to the local `file` kvstore as a path) and tensorstore's `memory`
+kvstore lives in one `ts.Context` (orbax opens a new one per save and restore, so a restore would
+find nothing: checked). No GCS emulator or gcsfs is installed. So the tests use real
+`gs://bucket/...` URLs and swap in, below the URL layer, a store backed by a temporary directory:
 
 * fsspec's `gs` / `gcs` protocol (which `epath` uses for `gs://` without tensorflow) is a
   `DirFileSystem` rooted there, so `epath.Path("gs://bkt/run/x")` is the file `<root>/bkt/run/x`;

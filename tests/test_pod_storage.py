@@ -1,7 +1,11 @@
 """Pod storage (issue 40 item 2): checkpoints and run-directory stage outputs on a bucket URL.
 
-Every test writes to `gs://bkt/...` through the fake bucket of `fake_bucket.py` (why that backend:
-see its docstring): a real `gs://` URL down to the filesystem calls, a local directory below.
+Every test writes to `gs://bkt/...` through the fake bucket of `fake_bucket.py`: a real `gs://`
+URL down to the filesystem calls (epath's fsspec backend, orbax's bucket atomicity), a local
+directory below. Why that backend: epath takes only gs/s3/az/hf URLs (`memory://` raises
+KeyError in `epath.Path`), orbax points tensorstore only at `gs://`, and
+tensorstore's `memory` kvstore dies with the `ts.Context` orbax opens per save; no GCS emulator
+or gcsfs is installed here (details in `fake_bucket.py`).
 Each test checks that nothing landed under the current directory (a `gs://` URL handled by
 `os.path` / `open` / `pathlib` would have written a relative `gs:/...` there)."""
 
