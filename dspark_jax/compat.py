@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import numpy as np
 
@@ -143,7 +143,9 @@ def load_cost_profile(path: str | os.PathLike) -> CostProfile:
     the target once it is loaded); a file that records neither is used with a warning unless it
     is one of the profiles packaged in dspark_jax/data (the server's fallback, which says in its
     log that it was measured on another machine)."""
-    packaged = Path(path).resolve().parent == Path(packaged_data.__file__).resolve().parent
+    remote = isinstance(path, PurePath) and not isinstance(path, Path)  # a bucket URL's path
+    here = Path(packaged_data.__file__).resolve().parent
+    packaged = not remote and Path(path).resolve().parent == here
     cost = CostProfile.load(path)
     check_cost_profile(cost, require_record=not packaged, where=str(path))
     return cost

@@ -10,6 +10,12 @@ temporary file is removed.
   atomic_dir(path)             a temporary directory renamed to `path` when complete
   write_{bytes,text,json}_atomic(path, data)
 
+Every function takes a local path (str or `pathlib.Path`) or a path object of another
+filesystem with pathlib's API (an `etils.epath.Path` for a bucket URL, made by
+`dspark_jax.storage.as_path`; this module itself imports only numpy and the standard library).
+On such an object `atomic_write` writes a temporary object next to the destination and renames
+it over the destination (on a bucket a server-side copy: the object appears whole or not at all).
+
 Lives at the top of the package (not in run/) so that sched/, models/ and train/ can use it.
 """
 
@@ -17,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
@@ -34,8 +41,8 @@ def _json_default(o):
         return o.item()
     if isinstance(o, np.ndarray):
         return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
+    if isinstance(o, (Path, os.PathLike)):
+        return os.fspath(o)
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
@@ -46,6 +53,9 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
     If the body raises (or the process dies), `path` keeps its previous content (or stays absent)
     and the temporary file is removed. Text modes use UTF-8. Creates missing parent directories.
     """
+    if _remote(path):
+        yield from _atomic_write_remote(path, mode)
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -60,6 +70,40 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        raise
+
+
+def _remote(path) -> bool:
+    """True for a path object of another filesystem (`etils.epath.Path`: pathlib's API, not a
+    `pathlib.Path`); a URL given as a string is refused (this module does not import epath)."""
+    if isinstance(path, Path):
+        return False
+    if isinstance(path, PurePath) and hasattr(path, "open"):
+        return True
+    if "://" in os.fspath(path):
+        raise ValueError(f"{os.fspath(path)}: a URL — pass dspark_jax.storage.as_path(url)")
+    return False
+
+
+def _atomic_write_remote(path, mode: str):
+    """`atomic_write` on another filesystem: a temporary object next to `path`, renamed over it
+    when the body finished (an object store upload is committed when its file is closed, even
+    after an error in the body: hence the temporary object)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with tmp.open("wb") as raw:
+            if "b" in mode:
+                yield raw
+            else:
+                f = io.TextIOWrapper(raw, encoding="utf-8")
+                yield f
+                f.flush()
+                f.detach()
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError, OSError):
+            tmp.unlink()
         raise
 
 
@@ -120,7 +164,9 @@ class FileHasher:
     checkpoint is read once, not at every start."""
 
     def __init__(self, cache_file: str | os.PathLike | None = None):
-        self.cache_file = Path(cache_file) if cache_file else None
+        self.cache_file = None
+        if cache_file:
+            self.cache_file = cache_file if _remote(cache_file) else Path(cache_file)
         self._memo: dict[str, dict] = {}
         if self.cache_file and self.cache_file.is_file():
             try:
@@ -130,14 +176,19 @@ class FileHasher:
         self._dirty = False
 
     def file(self, path: str | os.PathLike) -> str:
-        p = Path(path).resolve()
-        st = p.stat()
-        stamp = [st.st_size, st.st_mtime_ns]
+        if _remote(path):  # (on a bucket: size and modification time as the backend reports)
+            p = path
+            st = p.stat()
+            stamp = [st.length, st.mtime]
+        else:
+            p = Path(path).resolve()
+            st = p.stat()
+            stamp = [st.st_size, st.st_mtime_ns]
         got = self._memo.get(str(p))
         if got and got.get("stamp") == stamp:
             return got["sha256"]
         h = hashlib.sha256()
-        with open(p, "rb") as f:
+        with p.open("rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
         digest = h.hexdigest()[:16]
@@ -147,7 +198,7 @@ class FileHasher:
 
     def tree(self, path: str | os.PathLike, patterns=("*",)) -> dict[str, str]:
         """{relative name: hash} of the files in directory `path` matching `patterns`."""
-        root = Path(path)
+        root = path if _remote(path) else Path(path)
         out = {}
         for pat in patterns:
             for f in sorted(root.glob(pat)):
@@ -156,6 +207,10 @@ class FileHasher:
         return out
 
     def save(self) -> None:
-        if self.cache_file and self._dirty and self.cache_file.parent.is_dir():
+        if (
+            self.cache_file
+            and self._dirty
+            and (_remote(self.cache_file) or self.cache_file.parent.is_dir())
+        ):
             write_json_atomic(self.cache_file, self._memo)
             self._dirty = False

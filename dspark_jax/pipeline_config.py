@@ -195,7 +195,9 @@ def absolute_paths(cfg: PipelineConfig) -> PipelineConfig:
     directory's config.json means the same from any directory."""
 
     def ab(p: str) -> str:
-        return os.path.abspath(os.path.expanduser(p)) if p else p
+        if not p or "://" in p:  # a bucket URL is absolute
+            return p
+        return os.path.abspath(os.path.expanduser(p))
 
     return dataclasses.replace(
         cfg,

@@ -29,7 +29,6 @@ import os
 import random
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from pydoc_data.topics import topics as pydoc_topics
 from typing import Any
 
@@ -44,6 +43,7 @@ from dspark_jax.demo.corpus_config import (
 from dspark_jax.demo.corpus_math import MATH_TEMPLATES, math_chats, math_problem
 from dspark_jax.demo.corpus_sources import code_chats, prose_chats, stdlib_files
 from dspark_jax.io import atomic_write
+from dspark_jax.storage import as_path
 from dspark_jax.train.data import Conversation, Prompt, write_conversations, write_prompts
 
 # ------------------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def build_corpus(
     if unknown:
         raise TypeError(f"unknown CorpusConfig field(s) {unknown}; valid: {sorted(fields)}")
     cfg = dataclasses.replace(config or CorpusConfig(), **overrides)
-    out = Path(out_dir)
+    out = as_path(out_dir)  # a local path or a bucket URL
     files = CorpusFiles(
         out_dir=out,
         train_conversations=out / "train_conversations.jsonl",

@@ -209,8 +209,8 @@ class Pipeline(StagedRun):
             f"  target: {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, vocab {vocab}; "
             f"{n_tokens} training tokens"
         )
-        params, log = train_lm(
-            tcfg, train, t.train, self.stage_dir("target"), heldout_token_lists=held
+        params, log = train_lm(  # its checkpoints: in the bucket for a bucket run directory
+            tcfg, train, t.train, self.durable_dir("target"), heldout_token_lists=held
         )
         save_target_hf(tcfg, params, self.stage_dir("target") / "hf", tokenizer=tok)
         self.rundir.forget("target")
@@ -325,7 +325,7 @@ class Pipeline(StagedRun):
             dcfg = self.rundir.drafter_config(kind, tcfg)
             trainer = Trainer.for_drafter(
                 d.train, dcfg, tparams, train_data=train_s,
-                eval_data=eval_s, run_dir=self.stage_dir("drafters") / kind,
+                eval_data=eval_s, run_dir=self.durable_dir("drafters") / kind,
                 mesh=self.mesh, target_name=self.rundir.target_name(),
                 vocab_hash=self.rundir.vocab_hash(),
             )  # fmt: skip

@@ -34,7 +34,7 @@ def run_regenerate(p) -> dict:
     ctx = tcfg.max_position_embeddings
     buckets = tuple(b for b in LENGTH_BUCKETS if b <= ctx)
     check_regen_memory(p, tcfg, tparams, max(_row_buckets(c.batch_size)), min(max(buckets), ctx))
-    shard_dir = p.stage_dir("regenerate") / "shards"
+    shard_dir = p.durable_dir("regenerate") / "shards"  # every process writes its shards
     shard_dir.mkdir(parents=True, exist_ok=True)
     shard = max(c.batch_size, 1) * c.shard_batches
     # multi-process: process k regenerates shards s % n == k into <s>.p<k>.jsonl
@@ -117,8 +117,10 @@ def regen_target(p):
         return p.target()
     if "regen_target" not in p.rundir._cache:
         p.rundir._cache["regen_target"] = load_target(
-            p.rundir.target_path(), mesh=parallel.local_mesh(p.cfg.mesh),
-            target_layer_ids=p.cfg.target.target_layer_ids or None, dtype=p.rundir.target_dtype(),
+            p.rundir.local_path(p.rundir.target_path(), "target"),
+            mesh=parallel.local_mesh(p.cfg.mesh),
+            target_layer_ids=p.cfg.target.target_layer_ids or None,
+            dtype=p.rundir.target_dtype(),
         )  # fmt: skip
     return p.rundir._cache["regen_target"]
 

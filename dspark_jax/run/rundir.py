@@ -22,6 +22,7 @@ CLI's config error or a cached stage should not pay for modules it never runs.
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from dspark_jax.models.hf import load_target, load_tokenizer
 from dspark_jax.parallel import shard_params
 from dspark_jax.pipeline_config import PipelineConfig
 from dspark_jax.sched.sts import STS
+from dspark_jax.storage import as_path, copy_tree, is_url, local_copy
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 # prompt-length buckets of the evaluation / generation decoder (those below max_len are used)
@@ -47,7 +49,9 @@ class RunDir:
     def __init__(self, path, config: PipelineConfig | None = None, mesh=None):
         """`mesh` (a `jax.sharding.Mesh`, default None = one device): the target, the drafters
         and the decoders are placed on it by the logical-axis table (`parallel.LOGICAL_RULES`)."""
-        self.path = Path(path).expanduser().resolve()
+        # a local path (made absolute) or a bucket URL (`storage.as_path`)
+        self.path = path if is_url(path) else Path(path).expanduser().resolve()
+        self.path = as_path(self.path)
         self.mesh = mesh
         if config is None:
             config = self._read_config()
@@ -96,11 +100,21 @@ class RunDir:
 
     def tokenizer_path(self) -> Path:
         c = self.config
-        return Path(c.tokenizer.path or c.target.path or self.stage_dir("tokenizer"))
+        return as_path(c.tokenizer.path or c.target.path or self.stage_dir("tokenizer"))
+
+    def local_path(self, path, stage: str) -> Path:
+        """`path` itself, or for a URL (a run directory on a bucket) a cached local copy of it
+        (`storage.local_copy`, keyed by `stage`'s done.json key): tokenizers and safetensors
+        are read from POSIX paths."""
+        if not is_url(path):
+            return Path(path)
+        done = as_path(self.stage_dir(stage)) / "done.json"
+        key = json.loads(done.read_text()).get("key", "") if done.is_file() else ""
+        return local_copy(path, stamp=key)
 
     def tokenizer(self):
         if "tok" not in self._cache:
-            path = self.tokenizer_path()
+            path = self.local_path(self.tokenizer_path(), "tokenizer")
             self._cache["tok"] = load_tokenizer(path, require_chat_template=True)
         return self._cache["tok"]
 
@@ -136,7 +150,7 @@ class RunDir:
     # -- target -----------------------------------------------------------------------------
 
     def target_path(self) -> Path:
-        return Path(self.config.target.path or self.stage_dir("target") / "hf")
+        return as_path(self.config.target.path or self.stage_dir("target") / "hf")
 
     def target(self) -> tuple[TargetConfig, Any]:
         if "target" not in self._cache:
@@ -147,9 +161,11 @@ class RunDir:
                     f"python train.py --config <preset> --run-dir {self.path}"
                 )
             self._cache["target"] = load_target(
-                path, target_layer_ids=self.config.target.target_layer_ids or None, mesh=self.mesh,
+                self.local_path(path, "target"),
+                target_layer_ids=self.config.target.target_layer_ids or None,
+                mesh=self.mesh,
                 dtype=self.target_dtype(),
-            )  # fmt: skip
+            )
         return self._cache["target"]
 
     def target_dtype(self) -> str:
@@ -227,12 +243,18 @@ class RunDir:
         drafter checkpoint carrying the run's STS calibration (when calibrated) and the target it
         was trained for (`drafters.hf.save_hf_drafter`); `serve.py serve --target --drafter`
         loads it."""
-        out = Path(out_dir).expanduser().resolve()
+        out = as_path(out_dir if is_url(out_dir) else Path(out_dir).expanduser().resolve())
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ConfigError(f"{out} exists and is not an empty directory — choose a new --out")
         dcfg, params = self.drafter(kind)
         tid = TargetId.of(dcfg.target, name=self.target_name(), vocab_hash=self.vocab_hash())
-        save_hf_drafter(dcfg, params, out, sts=self.sts(kind), trained_for=tid)
+        if not is_url(out):
+            save_hf_drafter(dcfg, params, out, sts=self.sts(kind), trained_for=tid)
+            return out
+        # a bucket: written locally (safetensors writes a file name), uploaded config.json last
+        with tempfile.TemporaryDirectory(prefix="dspark-export-") as tmp:
+            save_hf_drafter(dcfg, params, tmp, sts=self.sts(kind), trained_for=tid)
+            copy_tree(tmp, out, last="config.json")
         return out
 
     # -- calibration and cost -----------------------------------------------------------------

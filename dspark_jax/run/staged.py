@@ -7,11 +7,22 @@ every input file and the identity of a TFDS dataset (`data_tfds.tfds_source`), a
 the stages whose outputs it reads. A stage whose key matches its finished output is skipped. A
 changed key builds the stage again in `work/` and swaps it in when finished; the previous output
 is kept under `previous/` and comes back if its configuration does.
+
+A run directory on a bucket (`run_dir=gs://...`): the bookkeeping (done.json, config.json, the
+stage folders) lives in the bucket; a stage body, which writes with libraries that need POSIX
+paths (tokenizers, safetensors, numpy memmaps), builds in a local scratch folder (`scratch_dir`)
+that is uploaded into the bucket's work folder when the stage finished, before its done.json; a
+finished stage is read from a cached local copy (`storage.local_copy`). Work that must survive the
+machine (the target's and drafters' training checkpoints, regenerated shards: written by every
+process) goes to `durable_dir`: the bucket's work folder itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -26,6 +37,7 @@ from dspark_jax.run.eta import PipelineEta
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.run.store import StageStore
 from dspark_jax.run.validate import check_stage_names, validate_config, validate_inputs
+from dspark_jax.storage import as_path, copy_tree, is_url, local_copy
 from dspark_jax.train.data_tfds import tfds_source
 
 _TOKENIZER_FILES = ("tokenizer*.json", "*.jinja", "special_tokens_map.json", "vocab*", "merges*")
@@ -58,7 +70,7 @@ class StagedRun:
         validate_config(cfg)
         cfg = absolute_paths(cfg)
         self.cfg = cfg
-        self.run = Path(cfg.run_dir)
+        self.run = as_path(cfg.run_dir)  # a local path or a bucket URL
         self.log = log
         self.timings: dict[str, float] = {}
         self.status: dict[str, str] = {}
@@ -176,8 +188,30 @@ class StagedRun:
     # -- bookkeeping ------------------------------------------------------------------------
 
     def stage_dir(self, stage: str) -> Path:
-        """Where `stage`'s output is: its work folder while it runs, else the current output."""
-        return self._building.get(stage) or self.store.current(stage)
+        """Where `stage`'s output is: its work folder while it runs, else the current output (on
+        a bucket: a local scratch folder while it runs, a local copy of a finished output)."""
+        if stage in self._building:
+            return self._building[stage]
+        cur = self.store.current(stage)
+        if is_url(cur):
+            info = self.store.read_done(cur)
+            if info is not None:
+                return local_copy(cur, stamp=str(info.get("key")))
+        return cur
+
+    def durable_dir(self, stage: str):
+        """Where a running stage keeps work that must outlive this machine (checkpoints, shards
+        written by every process): its work folder, in the bucket for a bucket run directory."""
+        if stage in self._building and is_url(self.run):
+            return self.store.work(stage, self.key(stage))
+        return self.stage_dir(stage)
+
+    def scratch_dir(self, stage: str, key: str) -> Path:
+        """The local folder a stage of a bucket run directory builds in (`$DSPARK_CACHE`, default
+        ~/.cache/dspark_jax, `scratch/<hash of the run URL>/<stage>.<key>`)."""
+        cache = Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark_jax")
+        run = hashlib.sha256(str(self.run).encode()).hexdigest()[:16]
+        return cache / "scratch" / run / f"{stage}.{key}"
 
     def is_done(self, stage: str) -> bool:
         return self.store.is_done(stage, self.key(stage))
@@ -214,6 +248,12 @@ class StagedRun:
             self.log(f"[{s}] running" + (f" (changed: {changed})" if changed else ""))
             _on_main(f"begin_{s}", lambda s=s, key=key: self.store.begin(s, key, force=s in force))
             self._building[s] = self.store.work(s, key)
+            if is_url(self.run):
+                scratch = self.scratch_dir(s, key)
+                if s in force and scratch.exists():
+                    shutil.rmtree(scratch)
+                scratch.mkdir(parents=True, exist_ok=True)
+                self._building[s] = scratch
             t0 = time.perf_counter()
             try:
                 info = getattr(self, f"_stage_{s}")()
@@ -221,6 +261,11 @@ class StagedRun:
                 self._building.pop(s)
             self.timings[s] = time.perf_counter() - t0
             info = {"seconds": self.timings[s], "inputs": self.inputs(s), **(info or {})}
+            if is_url(self.run):  # the scratch folder into the bucket's work folder, then commit
+                scratch = self.scratch_dir(s, key)
+                _on_main(f"upload_{s}", lambda s=s, key=key, d=scratch: copy_tree(
+                    d, self.store.work(s, key)))  # fmt: skip
+                shutil.rmtree(scratch, ignore_errors=True)
             _on_main(
                 f"commit_{s}",
                 lambda s=s, key=key, info=info: self.store.commit(s, key, info, force=s in force),

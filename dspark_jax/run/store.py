@@ -14,23 +14,27 @@ run leaves the previous output (report, checkpoints) where it was. At most `keep
 versions per stage are kept in `previous/` (and `work/`); older ones are removed, with a log line.
 `--force` discards a stage's partial work and its current output, except that a finished target
 or drafter checkpoint is moved to `previous/<stage>.<key>.forced-<time>`, never deleted.
+
+`<run>` may be a bucket URL (`storage.as_path`): an object store has no atomic directory
+rename, so a folder is moved with `storage.move_tree` (done.json copied last and removed first):
+an interrupted move leaves a destination without done.json, never taken for a finished output.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
 from dspark_jax.io import write_json_atomic
+from dspark_jax.storage import as_path, is_url, move_tree, rmtree
 
 PROTECTED = ("target", "drafters")  # trained weights: moved aside even under --force
 
 
 class StageStore:
     def __init__(self, run: Path, *, keep: int, log=print):
-        self.run = Path(run)
+        self.run = as_path(run)
         self.keep = keep
         self.log = log
 
@@ -88,7 +92,7 @@ class StageStore:
         unless `force`)."""
         w = self.work(stage, key)
         if force and w.exists():
-            shutil.rmtree(w)
+            rmtree(w)
         if w.exists() and any(w.iterdir()):
             self.log(f"[{stage}] resuming the partial work in {self._rel(w)}")
         w.mkdir(parents=True, exist_ok=True)
@@ -110,17 +114,18 @@ class StageStore:
             if old_key is None:  # unfinished leftovers of an older layout
                 old_key = f"unfinished-{int(time.time())}"
             if force and (stage not in PROTECTED or old is None):
-                shutil.rmtree(cur)
+                rmtree(cur)
                 self.log(f"[{stage}] discarded the previous output (--force {stage})")
             else:
                 dst = self.previous(stage, old_key)
                 if force or dst.exists():
                     dst = dst.with_name(f"{dst.name}.forced-{int(time.time())}")
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                cur.rename(dst)
+                move_tree(cur, dst)
                 self.log(f"[{stage}] kept the previous output in {self._rel(dst)}")
-        src.rename(cur)
-        if src.parent.name == "work" and not any(src.parent.iterdir()):
+        move_tree(src, cur)
+        # (a bucket has no empty folders to remove)
+        if src.parent.name == "work" and not is_url(src) and not any(src.parent.iterdir()):
             src.parent.rmdir()  # no partial work left
         self.prune(stage)
 
@@ -130,7 +135,17 @@ class StageStore:
             if not parent.is_dir():
                 continue
             olds = [p for p in parent.glob(f"{stage}.*") if p.is_dir()]
-            olds.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+            olds.sort(key=_age, reverse=True)
             for p in olds[self.keep :]:
-                shutil.rmtree(p)
+                rmtree(p)
                 self.log(f"[{stage}] removed {self._rel(p)} (keep_versions={self.keep})")
+
+
+def _age(p) -> float:
+    """When folder `p` was last changed: its mtime; on a bucket (folders are implicit) the time
+    its done.json records, else 0 (unfinished work sorts oldest)."""
+    if not is_url(p):
+        return p.stat().st_mtime
+    info = StageStore.read_done(p) or {}
+    t = info.get("time")
+    return float(t) if isinstance(t, (int, float)) else 0.0

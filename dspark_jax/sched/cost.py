@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -160,8 +161,9 @@ class CostProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CostProfile:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        # a pathlib-like object (`storage.as_path` of a bucket URL) is read through its own API
+        p = path if hasattr(path, "read_text") else Path(path)
+        return cls.from_dict(json.loads(p.read_text()))
 
     def to_dict(self) -> dict:
         record = {"target": self.target, "device": self.device}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -87,8 +88,9 @@ class STS:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> STS:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        # a pathlib-like object (`storage.as_path` of a bucket URL) is read through its own API
+        p = path if hasattr(path, "read_text") else Path(path)
+        return cls.from_dict(json.loads(p.read_text()))
 
 
 def _ece_rows(pred_GxN: np.ndarray, y_N: np.ndarray, n_bins: int) -> np.ndarray:

@@ -9,7 +9,9 @@ A checkpoint directory holds one orbax step directory per saved step. Each step 
 
 Atomicity is orbax's: a step is written into `<step>.orbax-checkpoint-tmp` and renamed to
 `<step>` once every item is committed (then `_CHECKPOINT_METADATA` exists), so a process killed
-mid-save leaves only a temporary directory, which is never listed. Saves are asynchronous: `save`
+mid-save leaves only a temporary directory, which is never listed. On a bucket (`gs://`: an
+object store renames nothing atomically) orbax writes the step in place and marks it complete
+with `commit_success.txt` last; a step without it is partial. Saves are asynchronous: `save`
 returns once the arrays are copied off the accelerator; `wait` blocks until the write committed.
 
 Restore never returns silent garbage: a step directory lacking orbax's commit files, one that
@@ -46,10 +48,12 @@ from dspark_jax.compat import check_trained_block, check_trained_window
 from dspark_jax.drafters.compat import check_fits, recorded_target
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.io import atomic_write
+from dspark_jax.storage import as_path, is_url, url_scheme
 
 log = logging.getLogger(__name__)
 
 _COMMIT_FILE = "_CHECKPOINT_METADATA"
+_BUCKET_COMMIT_FILE = "commit_success.txt"  # orbax's completion marker on a bucket
 _ITEMS = ("state", "meta")
 
 
@@ -91,6 +95,20 @@ def _barrier_prefix(directory: Path) -> str:
     return "-".join(directory.parts[-3:])
 
 
+def checkpoint_dir(directory):
+    """The checkpoint directory as orbax takes it: an absolute `pathlib.Path` for a local path, an
+    `etils.epath.Path` for a bucket URL. Orbax writes arrays through tensorstore, which it points
+    at `gs://` buckets only (other URLs it would treat as local paths): refused in one line."""
+    if not is_url(directory):
+        return Path(directory).absolute()
+    if url_scheme(directory) != "gs":
+        raise ConfigError(
+            f"{directory}: orbax writes checkpoints to local paths or gs:// buckets only, not "
+            f"{url_scheme(directory)}://"
+        )
+    return as_path(directory)
+
+
 class Checkpointer:
     """Save and restore `(state pytree, meta dict)` per step under `directory`.
 
@@ -100,7 +118,7 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 2, async_save=True):
-        self.directory = Path(directory).absolute()
+        self.directory = checkpoint_dir(directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
@@ -149,6 +167,8 @@ class Checkpointer:
 
     def _committed(self, step: int) -> bool:
         d = self.directory / str(step)
+        if is_url(self.directory) and not (d / _BUCKET_COMMIT_FILE).exists():
+            return False
         return (d / _COMMIT_FILE).exists() and all((d / item).is_dir() for item in _ITEMS)
 
     def read_meta(self, step: int) -> dict[str, Any]:
@@ -260,7 +280,7 @@ ADDED_SIDECAR_KEYS = ("trained_for",)
 def check_resumable(run_dir: Path, sidecar: dict[str, Any], resumable=()) -> None:
     """Refuse (ConfigError) to resume `run_dir` when its `config.json` describes another
     trajectory than `sidecar` (TrainConfig fields in `resumable` may differ)."""
-    side = Path(run_dir) / "config.json"
+    side = as_path(run_dir) / "config.json"
     if not side.exists():
         return
     try:
@@ -303,6 +323,7 @@ def check_resumable(run_dir: Path, sidecar: dict[str, Any], resumable=()) -> Non
 def trim_metrics_log(path: Path, last_step: int) -> None:
     """Drop the lines of `metrics.jsonl` after `last_step` (a resumed run redoes those steps)
     and a torn last line of a killed run."""
+    path = as_path(path)
     if not path.exists():
         return
     keep = []
@@ -351,7 +372,7 @@ def load_best_params(
     With `target_cfg` and `drafter_cfg`: first checks (`drafters.compat.check_fits`, no array
     read) that the checkpoint was trained for this target (`target_name`, tokenizer
     `vocab_hash`; "" = unknown); ConfigError naming every difference if not."""
-    ckpt = Checkpointer(Path(run_dir) / "best", async_save=False)
+    ckpt = Checkpointer(as_path(run_dir) / "best", async_save=False)
     if target_cfg is not None and drafter_cfg is not None and ckpt.steps():
         side = ckpt.read_meta(ckpt.steps()[-1]).get("config") or {}
         check_fits(

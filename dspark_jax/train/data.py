@@ -31,6 +31,7 @@ import numpy as np
 
 from dspark_jax.errors import DataError
 from dspark_jax.io import atomic_write
+from dspark_jax.storage import as_path
 from dspark_jax.templates import RenderConfig, assistant_char_spans, render_conversation
 
 # Role names as they appear in sources → our two roles. Anything else is dropped (REFERENCE §1.1).
@@ -160,7 +161,7 @@ def process_block(n: int, index: int, count: int) -> range:
 
 def count_jsonl_rows(path: str | os.PathLike) -> int:
     """Non-blank lines of `path` (rows of `iter_jsonl`), counted without parsing them."""
-    with open(path, "rb") as f:
+    with as_path(path).open("rb") as f:
         return sum(1 for raw in f if raw.strip())
 
 
@@ -177,7 +178,7 @@ def iter_jsonl(
     if not path.is_file():
         raise DataError(path, None, "file not found; check the path (prompt/conversation JSONL)")
     n_rows = 0
-    with open(path, "rb") as f:
+    with as_path(path).open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
                 line = raw.decode("utf-8")

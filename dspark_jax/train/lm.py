@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ from tqdm.auto import tqdm
 from dspark_jax import parallel
 from dspark_jax.config import TargetConfig, TrainConfig
 from dspark_jax.models.transformer import forward, init_params
+from dspark_jax.storage import as_path
 from dspark_jax.train.checkpoint import Checkpointer, abstract_like
 from dspark_jax.train.host_data import PackedWindows
 from dspark_jax.train.optimizer import make_optimizer
@@ -83,7 +83,7 @@ def train_lm(
     every `log_interval` steps, and `max_eval_batches` batches of held-out windows.
     `token_lists` (and `heldout_token_lists`) may instead be `host_data.PackedWindows` of
     `max(seq_buckets)` (per-host data, module docstring)."""
-    run_dir = Path(run_dir)
+    run_dir = as_path(run_dir)  # a local path or a bucket URL
     seq_len, batch_size, steps = max(tc.seq_buckets), tc.global_batch_size, tc.total_steps
     per_host = isinstance(token_lists, PackedWindows)
     windows = token_lists if per_host else pack_windows(token_lists, seq_len)

@@ -43,7 +43,6 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -56,6 +55,7 @@ from dspark_jax.drafters import init_params
 from dspark_jax.drafters.compat import check_fits
 from dspark_jax.errors import ConfigError
 from dspark_jax.spec.metrics import heldout_summary
+from dspark_jax.storage import append_text, as_path
 from dspark_jax.train import loader as loader_lib
 from dspark_jax.train import losses
 from dspark_jax.train import memory as memory_lib
@@ -131,7 +131,7 @@ class Trainer(TrainerSetup):
         self.cfg = cfg = memory_lib.resolve_dtypes(cfg)  # "auto": bf16 on accelerators, f32 on CPU
         self.drafter_cfg, self.target_cfg = drafter_cfg, target_cfg
         self.mesh = mesh if mesh is not None else parallel.make_mesh(MeshConfig())
-        self.run_dir = Path(run_dir)
+        self.run_dir = as_path(run_dir)  # a local path or a bucket URL (`storage.as_path`)
         self.is_main = jax.process_index() == 0
         target_params = self._validate(train_data, eval_data, target_params, frozen, resume)
         self.spec = steps_lib.StepStatics.of(cfg, loss_fn, target_cfg)
@@ -385,9 +385,7 @@ class Trainer(TrainerSetup):
     def _log(self, records: list[dict[str, Any]]) -> None:
         if not self.is_main or not records:
             return
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        append_text(self.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
 
 
 __all__ = ["TrainResult", "Trainer", "load_best_params"]
