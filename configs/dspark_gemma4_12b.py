@@ -35,60 +35,26 @@ its text decoder (tests/test_gemma4.py checks the logits against transformers on
 ones); configs/gemma4_micro.py runs this whole pipeline on a small `Gemma4ForCausalLM`.
 """
 
-from dspark_jax.config import MeshConfig
-from dspark_jax.pipeline_config import (
-    DRAFTER_TRAIN,
-    CalibrateStage,
-    DrafterStage,
-    EvalStage,
-    PipelineConfig,
-    RegenerateStage,
-    TargetStage,
-)
+import dataclasses
+
+from configs.qwen3_4b_dspark import config as qwen3_4b_config
 
 SLICE = "8xH100-80GB"
 TARGET_LAYER_IDS = (5, 17, 29, 41, 46)
 
 
-def config() -> PipelineConfig:
-    return PipelineConfig(
+def config():
+    """The Qwen3-4B preset's settings (the reference's for every target) with Gemma's feature
+    layers, its sampling and one sequence per fsdp shard."""
+    base = qwen3_4b_config()
+    d = base.drafters
+    return dataclasses.replace(
+        base,
         name="dspark_gemma4_12b",
         run_dir="runs/dspark_gemma4_12b",
-        mesh=MeshConfig(data=1, fsdp=2, tensor=4),
-        target=TargetStage(path="", target_layer_ids=TARGET_LAYER_IDS),
-        regenerate=RegenerateStage(
-            temperature=1.0,
-            top_p=0.95,
-            top_k=64,
-            max_new_tokens=4096,
-            max_prompts=1_300_000,
-            batch_size=64,
-        ),  # fmt: skip
-        drafters=DrafterStage(
-            kinds=("dspark", "dflash", "eagle3"),
-            block_size=7,
-            num_layers=5,
-            markov_rank=256,
-            num_anchors=512,
-            train=DRAFTER_TRAIN.replace(
-                total_steps=25_000,
-                global_batch_size=512,
-                micro_batch_size=2,  # 256 micro-steps of gradient accumulation per step
-                eval_batch_size=2,
-                seq_buckets=(4096,),
-                learning_rate=6e-4,
-                eval_interval=3000,
-                checkpoint_interval=3000,
-                compute_dtype="auto",  # bf16 on GPU/TPU
-                target_dtype="auto",
-                anchor_chunk=64,
-            ),
-        ),  # fmt: skip
-        calibrate=CalibrateStage(max_prompts=500, max_new_tokens=2048),
-        evaluate=EvalStage(
-            max_prompts_per_dataset=500,
-            max_new_tokens=2048,
-            batch_size=1,
-            max_len=8192,
-        ),  # fmt: skip
+        target=dataclasses.replace(base.target, target_layer_ids=TARGET_LAYER_IDS),
+        regenerate=dataclasses.replace(base.regenerate, temperature=1.0, top_p=0.95, top_k=64),
+        drafters=dataclasses.replace(
+            d, train=d.train.replace(micro_batch_size=2, eval_batch_size=2)
+        ),  # 256 micro-steps of gradient accumulation per step
     )

@@ -12,54 +12,34 @@ generation; the mask token is the tokenizer's `<mask>` or `<|mask|>`), with micr
 sizes, steps and counts; one device (the default mesh).
 """
 
-from dspark_jax.pipeline_config import (
-    DRAFTER_TRAIN,
-    CalibrateStage,
-    DrafterStage,
-    EvalStage,
-    PipelineConfig,
-    RegenerateStage,
-    TargetStage,
-)
+import dataclasses
+
+from configs.micro import config as micro_config
+from dspark_jax.pipeline_config import TargetStage
 
 
-def config() -> PipelineConfig:
-    return PipelineConfig(
+def config():
+    """micro.py's drafter, calibration and evaluation sizes on a checkpoint's target (given with
+    `--set target.path=...`), with Gemma's sampling and shorter runs."""
+    base = micro_config()
+    d, e = base.drafters, base.evaluate
+    return dataclasses.replace(
+        base,
         name="gemma4_micro",
         run_dir="runs/gemma4_micro",
-        target=TargetStage(path=""),  # --set target.path=<checkpoint directory>
-        regenerate=RegenerateStage(
+        target=TargetStage(path=""),
+        regenerate=dataclasses.replace(
+            base.regenerate,
             temperature=1.0,
             top_p=0.95,
             top_k=64,
             max_new_tokens=24,
             max_prompts=32,
-            batch_size=16,
         ),  # fmt: skip
-        drafters=DrafterStage(
-            kinds=("dspark", "dflash", "eagle3"),
-            block_size=4,
-            num_layers=1,
-            markov_rank=16,
-            num_anchors=16,
-            train=DRAFTER_TRAIN.replace(
-                total_steps=4,
-                global_batch_size=4,
-                micro_batch_size=2,
-                eval_batch_size=2,
-                seq_buckets=(128,),
-                eval_interval=2,
-                checkpoint_interval=2,
-                feature_mode="offline",  # the target's features computed once, shared
-            ),
-        ),  # fmt: skip
-        calibrate=CalibrateStage(max_prompts=4, max_new_tokens=16),
-        evaluate=EvalStage(
-            max_prompts_per_dataset=3,
-            max_new_tokens=16,
-            batch_size=4,
-            max_len=128,
-            speed_prompts=1,
-            speed_reps=2,
-        ),  # fmt: skip
+        drafters=dataclasses.replace(
+            d,
+            train=d.train.replace(total_steps=4, eval_interval=2, checkpoint_interval=2),
+        ),
+        calibrate=dataclasses.replace(base.calibrate, max_prompts=4, max_new_tokens=16),
+        evaluate=dataclasses.replace(e, max_new_tokens=16, max_len=128),
     )
