@@ -2,7 +2,8 @@
 only its own block of a JSONL file and of a TFDS split, tokenizing those rows only, and
 assembling the global batch with `parallel.global_batch` (`tests/test_host_data.py`); then the
 batch builders of the pipeline's training stages (`train.host_data`) over its own block of a
-second JSONL file, tokenized with a real tokenizer.
+second JSONL file, tokenized with a real tokenizer, with the target's features computed per host
+(offline features, `HostShards`).
 
 python tests/host_data_subprocess.py OUT_JSON PORT PROCESS_ID JSONL TFDS_DATA_DIR CHATS TOKENIZER
 (TFDS_DATA_DIR "" skips the TFDS read)
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -78,6 +80,61 @@ def pipeline_batches(mesh, chats: str, tok_dir: str, shard) -> dict:
             "batches": [{k: host(v) for k, v in b.items()} for b in batches]}  # fmt: skip
 
 
+def feature_target():
+    """The tiny target whose features both the processes and the test's reference compute."""
+    from dspark_jax.testing import random_params, tiny_target_config
+
+    cfg = tiny_target_config(vocab_size=512)
+    return cfg, random_params(cfg, 0)
+
+
+def offline_split(samples, k: int):
+    """(held-out, training) samples of process k's block: it holds out its share of N_EVAL."""
+    from dspark_jax.train.data import process_block
+
+    n = len(process_block(N_EVAL, k, 2))
+    return samples[:n], samples[n:]
+
+
+def offline_batches(mesh, chats: str, tok_dir: str, shard, cache_dir: str) -> dict:
+    """Offline features per host: this process's own block tokenized, its features computed in
+    this process alone into its own caches, read as `HostShards`; the Trainer's batches."""
+    from jax.experimental import multihost_utils
+
+    from dspark_jax.models.hf import load_tokenizer
+    from dspark_jax.train.data import encode_conversations, read_conversations
+    from dspark_jax.train.features import write_feature_cache
+    from dspark_jax.train.host_data import HostShards
+
+    convs, _ = read_conversations(chats, keep_system=True, shard=shard)
+    samples, _ = encode_conversations(load_tokenizer(tok_dir), convs, render())
+    held, train = offline_split(samples, shard[0])
+    tcfg, params = feature_target()
+    kw = dict(buckets=TRAIN["seq_buckets"], batch_size=2, dtype="float32", process_index=0,
+              process_count=1)  # fmt: skip
+    src = {name: HostShards(write_feature_cache(f"{cache_dir}/p{shard[0]}/{name}", tcfg, params,
+                                                part, **kw))
+           for name, part in (("train", train), ("eval", held))}  # fmt: skip
+    from dspark_jax.config import TrainConfig
+    from dspark_jax.train import steps
+
+    cfg = TrainConfig(**TRAIN, pad_id=3, feature_mode="offline")
+    data = steps.plan_data(cfg, mesh, src["train"], src["eval"])
+    mbs = [("train", mb) for s in range(STEPS)
+           for mb in data.loader.micro_batches(s * cfg.global_batch_size)]  # fmt: skip
+    mbs += [("eval", mb) for mb in data.eval_plan]
+
+    def host(x):
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True)).tolist()
+
+    out = []
+    for name, mb in mbs:
+        b = steps.device_batch(mesh, src[name], mb, cfg.pad_id)
+        out.append({"source": name, "indices": mb.indices.tolist(), "length": mb.length,
+                    **{k: host(v) for k, v in b.items()}})  # fmt: skip
+    return {"cached": {k: len(v.local) for k, v in src.items()}, "batches": out}
+
+
 def main(out_json, port, pid, jsonl, tfds_dir, chats, tok_dir) -> None:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
                                initialization_timeout=60)  # fmt: skip
@@ -101,6 +158,8 @@ def main(out_json, port, pid, jsonl, tfds_dir, chats, tok_dir) -> None:
     # the pipeline's mesh in tests/test_multiprocess_stages.py: fsdp across the processes
     out["pipeline"] = pipeline_batches(parallel.make_mesh(MeshConfig(data=1, fsdp=2, tensor=2)),
                                        chats, tok_dir, shard)  # fmt: skip
+    out["offline"] = offline_batches(parallel.make_mesh(MeshConfig(data=1, fsdp=2, tensor=2)),
+                                     chats, tok_dir, shard, str(Path(out_json).parent / "feats"))  # fmt: skip
     with open(out_json, "w") as f:
         json.dump(out, f)
     jax.distributed.shutdown()

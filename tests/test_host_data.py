@@ -127,6 +127,45 @@ def test_pipeline_batches_on_two_processes_are_the_one_process_batches(two_proce
     assert p0["windows"] == p1["windows"] == windows[picked].tolist()
 
 
+def test_offline_features_per_host_each_process_computes_and_reads_only_its_rows(
+    two_processes, tmp_path
+):
+    """Offline features on two processes: each computes the target's features of its own block
+    only (its held-out share and the rest), and every batch's rows on process k come from its
+    block; the batches hold the features a one-process cache of the same samples holds."""
+    from dspark_jax.train.features import write_feature_cache
+    from dspark_jax.train.loader import MicroBatch, load_rows
+
+    r0, r1, _, chats, _, tok_dir = two_processes
+    o0, o1 = r0["offline"], r1["offline"]
+    convs, _ = read_conversations(chats, keep_system=True)
+    samples, _ = encode_conversations(load_tokenizer(tok_dir), convs, hds.render())
+    blocks = [samples[: 11 - 2], samples[11 - 2 :]]  # 11 / 12 rows read; 2 + 2 answers too short
+    assert sum(map(len, blocks)) == 19
+    splits = [hds.offline_split(b, k) for k, b in enumerate(blocks)]
+    assert o0["cached"] == {"train": len(splits[0][1]), "eval": len(splits[0][0])}
+    assert o1["cached"] == {"train": len(splits[1][1]), "eval": len(splits[1][0])}
+    tcfg, params = hds.feature_target()
+    kw = dict(buckets=hds.TRAIN["seq_buckets"], batch_size=2, dtype="float32")
+    one = {name: write_feature_cache(tmp_path / name, tcfg, params,
+                                     splits[0][i] + splits[1][i], **kw)
+           for i, name in ((1, "train"), (0, "eval"))}  # fmt: skip
+    firsts = {"train": len(splits[0][1]), "eval": len(splits[0][0])}
+    assert len(o0["batches"]) == 3 * 2 + 2  # held out: 2 and 3 rows, 2 per process a batch
+    for b0, b1 in zip(o0["batches"], o1["batches"]):
+        assert b0 == b1
+        idx = np.asarray(b0["indices"])
+        half = len(idx) // 2  # rows of process 0's devices, then process 1's
+        real = idx >= 0
+        assert (idx[:half][real[:half]] < firsts[b0["source"]]).all()
+        assert (idx[half:][real[half:]] >= firsts[b0["source"]]).all()
+        want = load_rows(one[b0["source"]], MicroBatch(idx, b0["length"]), pad_id=3)
+        assert set(want) == set(b0) - {"source", "indices", "length"}
+        for k, v in want.items():
+            np.testing.assert_allclose(np.asarray(b0[k], np.float32), v.astype(np.float32),
+                                       rtol=1e-5, atol=1e-5, err_msg=k)  # fmt: skip
+
+
 def test_the_batch_gathers_compile_to_one_all_reduce_and_no_permute():
     """Both per-host gathers (the target's windows, the drafters' rows) on a 2 x 2 x 2 mesh:
     one all-reduce each and no collective-permute (XLA's own lowering of `table[rows, cols]`

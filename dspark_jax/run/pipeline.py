@@ -301,13 +301,15 @@ class Pipeline(StagedRun):
         rc = self.render_config(
             max_length=max(d.train.seq_buckets), min_loss_tokens=d.min_loss_tokens
         )
-        # per host (issue 40): online features only; offline caches are written per process
-        # from every sample (`features.write_feature_cache`)
-        per_host = d.train.feature_mode == "online" and self._per_host()
+        # per host: each process reads and tokenizes only its block of the rows
+        offline, per_host = d.train.feature_mode == "offline", self._per_host()
         train_convs = self._regenerated_block() if per_host else self._regenerated()[0]
         samples, stats = encode_conversations(tok, train_convs, rc)
         self.log(f"  {stats.summary()}")
-        if per_host:
+        feature_dir = self.stage_dir("drafters") / "features"
+        if per_host and offline:  # each process computes the features of its own rows
+            train_s, eval_s = self._host_feature_caches(feature_dir, samples)
+        elif per_host:  # online: the one-process run's batches, gathered on the mesh
             from dspark_jax.train.host_data import HostTable
 
             table = HostTable.of(self.mesh, [samples])
@@ -317,9 +319,9 @@ class Pipeline(StagedRun):
         else:
             n_eval = max(d.train.global_batch_size, len(samples) // d.eval_one_in)
             eval_s, train_s = samples[:n_eval], samples[n_eval:]
-        feature_dir = self.stage_dir("drafters") / "features"
-        if d.train.feature_mode == "offline":  # one target pass shared by every drafter
-            train_s, eval_s = self._feature_caches(feature_dir, tcfg, tparams, train_s, eval_s)
+            if offline:  # one target pass shared by every drafter
+                train_s, eval_s = self._feature_caches(feature_dir, tcfg, tparams, train_s,
+                                                       eval_s)  # fmt: skip
         info = {}
         for kind in d.kinds:
             dcfg = self.rundir.drafter_config(kind, tcfg)
@@ -345,11 +347,33 @@ class Pipeline(StagedRun):
                     "drafters.train.total_steps"
                 )
             info[kind] = {"best_step": best_step, "best_sim_tau": best_score}
-        if feature_dir.is_dir():  # derived data (one target pass to rebuild), not an output
-            shutil.rmtree(feature_dir)
+        # derived data (one target pass to rebuild), not an output; per host, each process
+        # removes its own caches (another may still be reading its own)
+        mine = feature_dir / f"p{jax.process_index():05d}" if per_host else feature_dir
+        if mine.is_dir():
+            shutil.rmtree(mine)
+        if feature_dir.is_dir() and not any(feature_dir.iterdir()):
+            feature_dir.rmdir()
         return info
 
-    def _feature_caches(self, out, tcfg, tparams, train_s, eval_s):
+    def _host_feature_caches(self, out, samples):
+        """Offline features per host: this process's held-out and training samples (the first
+        and the rest of its block; every process holds out its share of the one-process
+        count), their features computed by its own copy of the target on its local devices
+        (as regeneration runs) into its own caches, read as `host_data.HostShards`."""
+        from dspark_jax.train.data import process_block
+        from dspark_jax.train.host_data import HostShards, gather_hosts
+
+        d, k, n = self.cfg.drafters, jax.process_index(), jax.process_count()
+        total = int(gather_hosts(np.asarray([len(samples)], np.int64)).sum())
+        n_eval = len(process_block(max(d.train.global_batch_size, total // d.eval_one_in), k, n))
+        tcfg, tparams = regenerate_stage.regen_target(self)
+        train_r, eval_r = self._feature_caches(out / f"p{k:05d}", tcfg, tparams,
+                                               samples[n_eval:], samples[:n_eval], local=True)  # fmt: skip
+        self.rundir._cache.pop("regen_target", None)  # the run's target stays; this copy goes
+        return HostShards(train_r), HostShards(eval_r)
+
+    def _feature_caches(self, out, tcfg, tparams, train_s, eval_s, local=False):
         """The target's features of the training and held-out samples, computed once
         (`train.features`, in the target's training dtype; resumed after an interruption)
         and read by every drafter's Trainer instead of running the target in each step."""
@@ -358,6 +382,8 @@ class Pipeline(StagedRun):
         t = resolve_dtypes(self.cfg.drafters.train)
         t0 = time.perf_counter()
         kw = dict(buckets=t.seq_buckets, batch_size=t.micro_batch_size, dtype=t.target_dtype)
+        if local:  # this process's own samples, computed in this process alone
+            kw.update(process_index=0, process_count=1)
         readers = [
             write_feature_cache(out / name, tcfg, tparams, samples, progress=True, **kw)
             for name, samples in (("train", train_s), ("eval", eval_s))

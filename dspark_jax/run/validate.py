@@ -256,15 +256,19 @@ def _exists(f: str, field: str) -> None:
 def validate_mesh(cfg: PipelineConfig, mesh) -> None:
     """The rules that need the device mesh, checked when the mesh is built (before the first
     stage): the drafters' Trainer gives every data x fsdp shard whole sequences (the Trainer's
-    own check, with the field named as `--set` spells it); an offline feature cache is built by
-    one process."""
+    own check, with the field named as `--set` spells it); offline features on several
+    processes are computed per host, which needs the processes laid along data / fsdp."""
     import jax
 
+    from dspark_jax.train.host_data import per_host_layout
     from dspark_jax.train.steps import check_batch_shards
 
     check_batch_shards(cfg.drafters.train, mesh, field_prefix="drafters.train.")
-    if cfg.drafters.train.feature_mode == "offline" and jax.process_count() > 1:
+    offline = cfg.drafters.train.feature_mode == "offline"
+    if offline and jax.process_count() > 1 and not per_host_layout(mesh):
         raise ConfigError(
-            "drafters.train.feature_mode='offline' builds its feature cache in one process; "
-            "use --set drafters.train.feature_mode=online for a multi-process run"
+            "drafters.train.feature_mode='offline' on several processes has each compute the "
+            "features of its own rows, but this mesh does not give each process its own block of "
+            f"batch rows ({dict(mesh.shape)}): lay the processes along mesh.data / mesh.fsdp, "
+            "or use --set drafters.train.feature_mode=online"
         )

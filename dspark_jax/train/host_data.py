@@ -41,8 +41,8 @@ def per_host_layout(mesh) -> bool:
     return p > 1 and rows % p == 0 and data_shards(mesh, rows) == p
 
 
-def _gather(x: np.ndarray) -> np.ndarray:
-    """[P, ...]: `x` of every process (same shape everywhere)."""
+def gather_hosts(x: np.ndarray) -> np.ndarray:
+    """[P, ...]: `x` of every process (same shape everywhere); collective."""
     if jax.process_count() == 1:
         return x[None]
     return np.asarray(multihost_utils.process_allgather(x))
@@ -68,7 +68,7 @@ class HostTable:
         everywhere); collective."""
         p, k = jax.process_count(), jax.process_index()
         mine = [s for src in sources for s in src]
-        counts = _gather(np.asarray([len(src) for src in sources], np.int64))  # [P, S]
+        counts = gather_hosts(np.asarray([len(src) for src in sources], np.int64))  # [P, S]
         shards = mesh.shape["data"] * mesh.shape["fsdp"]
         step = max(shards // p, 1)  # each process's rows split over its data x fsdp devices
         m = max(-(-int(counts.sum(1).max()) // step) * step, step)
@@ -76,7 +76,7 @@ class HostTable:
         lens[: len(mine)] = [len(s) for s in mine]
         nloss = np.zeros(m, np.int64)
         nloss[: len(mine)] = [s.num_loss_tokens for s in mine]
-        all_lens, all_nloss = _gather(lens), _gather(nloss)  # [P, M]
+        all_lens, all_nloss = gather_hosts(lens), gather_hosts(nloss)  # [P, M]
         width = max(int(all_lens.max()), 1)
         ids = np.zeros((m, width), np.int32)
         mask = np.zeros((m, width), np.uint8)
@@ -152,6 +152,57 @@ class HostSource:
         ids, loss, attn = fn(self.table.ids, self.table.mask, rows, lens, np.int32(pad_id),
                              in_order(after))  # fmt: skip
         return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn}
+
+
+class HostShards:
+    """A training source whose samples every process holds a block of, read from its own source
+    `local` (e.g. its own `features.FeatureCacheReader`: offline features computed per host):
+    process k holds global samples [offset_k, offset_k + len(local_k)), processes in order.
+    Lengths and loss-token counts cover every process's samples (gathered), so every process
+    plans the same steps; the loader draws process k's rows of every batch from its own block
+    (`process_rows`) and `eval_batches` fills each batch's rows of process k from its block, so
+    no process reads another's rows. Unlike `HostSource`, the batches are not the one-process
+    run's: each holds B/P rows of every process's block, as in any per-process data stream.
+    Collective (every process builds one, with its own `local`)."""
+
+    def __init__(self, local):
+        counts = gather_hosts(np.asarray([len(local)], np.int64))[:, 0]  # [P]
+        if counts.min() == 0:
+            raise DatasetError(
+                f"process {int(np.argmin(counts))} holds no sample of this source; use fewer "
+                "processes or more data"
+            )
+        m = int(counts.max())
+        lens, nloss = np.zeros(m, np.int64), np.zeros(m, np.int64)
+        lens[: len(local)], nloss[: len(local)] = local.lengths, local.num_loss_tokens
+        all_lens, all_nloss = gather_hosts(lens), gather_hosts(nloss)  # [P, M]
+        self.local = local
+        self.offsets = np.concatenate([[0], np.cumsum(counts)])
+        self.process_rows = [
+            np.arange(self.offsets[q], self.offsets[q + 1]) for q in range(len(counts))
+        ]
+        self.lengths = np.concatenate([all_lens[q, :c] for q, c in enumerate(counts)])
+        self.num_loss_tokens = np.concatenate([all_nloss[q, :c] for q, c in enumerate(counts)])
+        self._lo = int(self.offsets[jax.process_index()])
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def get(self, i: int) -> dict[str, np.ndarray]:
+        j = int(i) - self._lo
+        if not 0 <= j < len(self.local):
+            raise DatasetError(
+                f"row {i} is held by another process (per-host data: each process reads only its "
+                "own block)"
+            )
+        return self.local.get(j)
+
+    def prototype(self) -> dict[str, np.ndarray]:
+        """The fields of a row (dtypes and trailing shapes), from this process's first row."""
+        return {k: np.asarray(v)[:0] for k, v in self.local.get(0).items()}
+
+    def check_target(self, target_cfg) -> None:
+        self.local.check_target(target_cfg)
 
 
 @functools.cache
@@ -256,4 +307,12 @@ def in_order(after) -> jax.Array | np.ndarray:
     return leaves[0] if leaves else np.zeros((), np.int32)
 
 
-__all__ = ["HostSource", "HostTable", "PackedWindows", "in_order", "per_host_layout"]
+__all__ = [
+    "HostShards",
+    "gather_hosts",
+    "HostSource",
+    "HostTable",
+    "PackedWindows",
+    "in_order",
+    "per_host_layout",
+]

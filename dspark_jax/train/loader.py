@@ -119,8 +119,9 @@ def load_rows(
                 fill = pad_id if k == "input_ids" else 0
                 out[k] = np.full((len(idx), mb.length) + v.shape[1:], fill, dtype=v.dtype)
             out[k][r, : v.shape[0]] = v
-    if "input_ids" not in out:  # every row is filler: the fields of row 0 of the source
-        proto = dict(source.get(0))
+    if "input_ids" not in out:  # every row is filler: the fields of a row of the source
+        # (a per-host source may not hold row 0: it names its fields)
+        proto = dict(source.prototype() if hasattr(source, "prototype") else source.get(0))
         proto["attention_mask"] = proto["input_ids"]
         for k, v in proto.items():
             fill = pad_id if k == "input_ids" else 0
@@ -192,8 +193,17 @@ class DataLoader:
         self.usable = np.setdiff1d(np.arange(n), empty)  # sorted source rows
         _check_lengths(source, self.buckets, "training set")
         p = num_shards
-        cuts = [len(self.usable) * k // p for k in range(p + 1)]
-        self.shards = [self.usable[cuts[k] : cuts[k + 1]] for k in range(p)]
+        own = getattr(source, "process_rows", None)  # per-host blocks (`host_data.HostShards`)
+        if own is not None:
+            if len(own) != p:
+                raise ConfigError(
+                    f"the data is held in {len(own)} per-process blocks but the mesh gives {p} "
+                    "data shard(s): lay the processes along the mesh's data / fsdp axes"
+                )
+            self.shards = [np.intersect1d(rows, self.usable) for rows in own]
+        else:
+            cuts = [len(self.usable) * k // p for k in range(p + 1)]
+            self.shards = [self.usable[cuts[k] : cuts[k + 1]] for k in range(p)]
         g_local = global_batch // p
         self.samples_per_epoch = min(len(x) for x in self.shards) // g_local * g_local
         if self.samples_per_epoch == 0:
@@ -264,13 +274,24 @@ def eval_batches(
     """Fixed held-out batches in source order; sequences without supervision are left out.
 
     The last batch is completed with filler rows (index -1), so every batch is [batch_size, L].
+    A per-host source (`process_rows`: P blocks) fills rows [k·B/P, (k+1)·B/P) of every batch
+    from block k, so each process reads only its own rows.
     """
     _check_lengths(source, buckets, "evaluation set")
     rows = np.flatnonzero(np.asarray(source.num_loss_tokens) > 0)
+    own = getattr(source, "process_rows", None)
+    if own is not None:
+        b_local = batch_size // len(own)
+        blocks = [np.intersect1d(r, rows) for r in own]
+        n = max(-(-len(x) // b_local) for x in blocks)
+        rows = np.concatenate(
+            [np.pad(x, (0, n * b_local - len(x)), constant_values=-1).reshape(n, b_local)
+             for x in blocks], axis=1
+        ).reshape(-1)  # fmt: skip
     out = []
     for lo in range(0, len(rows), batch_size):
         idx = rows[lo : lo + batch_size]
-        length = choose_bucket(int(source.lengths[idx].max()), buckets)
+        length = choose_bucket(int(source.lengths[idx[idx >= 0]].max()), buckets)
         idx = np.concatenate([idx, -np.ones((batch_size - len(idx),), np.int64)])
         out.append(MicroBatch(idx, length))
         if max_batches and len(out) >= max_batches:

@@ -335,7 +335,8 @@ def check_features(cfg, target_cfg, target_params, train_data, eval_data):
             )
         return target_params
     for name, d in (("train_data", train_data), ("eval_data", eval_data)):
-        if d is not None and not isinstance(d, FeatureCacheReader):
+        cache = getattr(d, "local", d)  # a per-host source over this process's cache
+        if d is not None and not isinstance(cache, FeatureCacheReader):
             raise ConfigError(
                 f"feature_mode='offline' needs {name} to be a FeatureCacheReader (build "
                 "one with features.write_feature_cache); or use feature_mode='online'"
