@@ -165,3 +165,38 @@ def test_target_stage_on_two_processes_reads_per_host_and_trains_as_one(request,
     for a, b in zip(one, two):  # the mesh's reduction order: ~2e-5 apart after 20 Adam steps
         for k in a:
             np.testing.assert_allclose(b[k], a[k], rtol=1e-4, err_msg=k)
+
+
+@pytest.mark.slow
+def test_drafters_stage_with_offline_features_on_two_processes(request, tmp_path):
+    """Offline features per host: each process reads its block of the regenerated
+    conversations and computes the target's features of its own rows only (together: the
+    one-process run's samples); the drafter trains to a best checkpoint and the caches go."""
+    one_run = request.getfixturevalue("one_device_run")
+    run = tmp_path / "micro"
+    shutil.copytree(one_run, run)
+    sets = [f"mesh.{k}={v}" for k, v in MESH.items()]
+    sets += ["drafters.kinds=dspark", "drafters.train.feature_mode=offline"]
+    args = ["--config", "configs/micro.py", "--run-dir", str(run), "--stages", "drafters",
+            "--force", "drafters", *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    procs, logs = _launch("train.py", args, free_port(), tmp_path)
+    wait_all(procs, 600, logs)
+    text = [log.read_text() for log in logs]
+    tails = "\n".join(t[-3000:] for t in text)
+    assert not any("Traceback" in t for t in text) and all("drafters: ran" in t for t in text)
+
+    def count(pattern, t):
+        return int(re.search(pattern, t).group(1))
+
+    from dspark_jax.cli.train import load_config
+
+    c = load_config(str(ROOT / "configs" / "micro.py")).calibrate
+    rows = sum(count_jsonl_rows(f) for f in (run / "regenerate" / "shards").glob("*.jsonl"))
+    n_train = rows - min(c.max_prompts, max(rows // c.heldout_one_in, 1))  # the drafters' rows
+    read = [count(r"conversations: read (\d+)", t) for t in text]
+    feats = [count(r"target features of (\d+) samples", t) for t in text]
+    assert sorted(read) == [n_train // 2, n_train - n_train // 2] and min(feats) > 0, tails
+    # the stage's new output (dspark alone) with a best checkpoint
+    assert sorted(x.name for x in (run / "drafters").iterdir()) == ["done.json", "dspark"]
+    assert (run / "drafters" / "dspark" / "best").is_dir(), tails
+    assert not list(run.rglob("features")), "the per-host feature caches were left behind"

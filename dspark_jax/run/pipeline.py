@@ -352,8 +352,12 @@ class Pipeline(StagedRun):
         mine = feature_dir / f"p{jax.process_index():05d}" if per_host else feature_dir
         if mine.is_dir():
             shutil.rmtree(mine)
-        if feature_dir.is_dir() and not any(feature_dir.iterdir()):
-            feature_dir.rmdir()
+        if per_host and offline:  # every process's caches are gone before the folder goes
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("feature caches removed")
+            if jax.process_index() == 0 and feature_dir.is_dir():
+                feature_dir.rmdir()
         return info
 
     def _host_feature_caches(self, out, samples):
