@@ -1,6 +1,6 @@
 """train.py as two real processes (one CPU device each, `jax.distributed` over loopback): the
-micro preset's first four stages into one run directory. Each process regenerates only its own
-shards, and the regenerated conversations equal a one-process regeneration from the same target,
+micro preset's first four stages into one run directory. Each process reads and regenerates only
+the rows of its own shards, and the regenerated conversations equal a one-process regeneration from the same target,
 row for row."""
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def test_two_process_regeneration_equals_one_process(tmp_path):
     outs = _wait([_train(run, STAGES, [*flags, str(i)]) for i in range(2)])
     for out in outs:
         assert "regenerate: ran" in out, out[-2000:]
+        # per-host data: each process reads (parses) only the rows of its own shard
+        assert "this process reads 8 row(s), 8 usable" in out, out[-2000:]
     shards = sorted(p.name for p in (run / "regenerate" / "shards").iterdir())
     assert shards == ["00000.p0.jsonl", "00001.p1.jsonl"]  # each process wrote its own shard
     assert not (run / "work").exists()

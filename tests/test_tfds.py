@@ -115,6 +115,41 @@ def test_pipeline_reads_data_tfds(data_dir, tmp_path):
     assert any("tfds:dspark_tiny_chats/train" in x and "kept 2" in x for x in lines), lines
 
 
+def test_regeneration_reads_only_the_rows_it_answers(data_dir, tmp_path):
+    """The regenerate stage's requests of chosen rows over a JSONL file and a TFDS split: only
+    those rows are parsed, by row index across the sources, invalid rows left out; they equal
+    the requests of reading everything."""
+    import json
+
+    from dspark_jax.pipeline_config import DataStage, PipelineConfig, apply_overrides
+    from dspark_jax.run.pipeline import Pipeline
+    from dspark_jax.train.data import count_jsonl_rows, read_conversation_rows
+
+    jsonl = tmp_path / "chats.jsonl"
+    rows = [{"conversations": [{"from": r, "value": c} for r, c in chat]} for chat in CHATS]
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"broken\n')
+    got, stats = read_conversation_rows(jsonl, [3, 1, 0])  # the broken last row: never parsed
+    assert [r for r, _ in got] == [0, 1] and stats.read == 3 and stats.kept == 2  # 3: empty
+    assert got[0][1].id == 0 and got[1][1].id == 1
+    whole, _ = read_tfds("dspark_tiny_chats", kind="auto", data_dir=data_dir)
+    some, st = read_tfds("dspark_tiny_chats", kind="auto", data_dir=data_dir, rows=[3, 1])
+    assert st.read == 2 and [c.id for c in some] == [c.id for c in whole if c.id in (1, 3)]
+
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = PipelineConfig(run_dir=str(tmp_path / "run"), data=DataStage(tfds_data_dir=data_dir))
+    cfg = apply_overrides(cfg, [f"data.conversation_files={jsonl}",
+                                "data.tfds=dspark_tiny_chats:train"])  # fmt: skip
+    pipe = Pipeline(cfg, log=lambda _: None)
+    n = count_jsonl_rows(jsonl)
+    assert pipe._source_rows() == [n, 4]
+    every = pipe._regen_requests(range(n + 4))
+    assert sorted(pipe._regen_order()) == list(range(n + 4))  # the cap is above these 8 rows
+    by_row = {r: (None, list(c.user_turns())) for r, c in read_conversation_rows(jsonl)[0]}
+    by_row |= {n + c.id: (None, list(c.user_turns())) for c in whole}
+    assert every == by_row  # invalid rows (empty content, a wrong role order) left out
+    assert pipe._regen_requests([n + 1, 2]) == {r: every[r] for r in (n + 1, 2) if r in every}
+
+
 def test_data_tfds_is_part_of_the_stage_keys(data_dir, tmp_path):
     """Another dataset, split or field, or the same dataset rebuilt, re-runs the target and all
     that follows (never a silent reuse); the same settings give the same keys."""

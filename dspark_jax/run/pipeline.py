@@ -36,10 +36,11 @@ from dspark_jax.train.data import (
     encode_conversations,
     process_block,
     read_conversation_block,
+    read_conversation_rows,
     read_conversations,
     read_prompts,
 )
-from dspark_jax.train.data_tfds import parse_tfds_spec, read_tfds
+from dspark_jax.train.data_tfds import count_tfds_examples, parse_tfds_spec, read_tfds
 from dspark_jax.train.memory import resolve_dtypes
 from dspark_jax.train.tokenizer import train_tokenizer
 
@@ -236,19 +237,50 @@ class Pipeline(StagedRun):
         train = table.windows(order[n_held:], seq_len)
         return table.windows(order[:n_held], seq_len), train, int(train.ends[-1])
 
-    def _regen_requests(self):
-        """(the sample's own system message or None, its user turns) of the training prompts in
-        a fixed order; the last `calibrate.max_prompts` form the calibration split (never used
-        to train drafters)."""
-        convs = self._training_conversations()
-        rng = np.random.default_rng(self.cfg.regenerate.seed)
-        order = rng.permutation(len(convs))
-        n = min(len(convs), self.cfg.regenerate_prompt_cap)
+    def _source_rows(self) -> list[int]:
+        """The rows of each training source (files, then the TFDS split), counted without
+        parsing them."""
         out = []
-        for i in order[:n]:
-            m = convs[i].messages
-            system = m[0].content if m and m[0].role == "system" else None
-            out.append((system, list(convs[i].user_turns())))
+        for p in self._training_paths():
+            if p.startswith("tfds:"):
+                name, split, _ = parse_tfds_spec(self.cfg.data.tfds)
+                out.append(count_tfds_examples(name, split, self.cfg.data.tfds_data_dir or None))
+            else:
+                out.append(count_jsonl_rows(p))
+        return out
+
+    def _regen_order(self) -> np.ndarray:
+        """The training rows regenerate answers (indices over every source's rows in turn), in
+        a fixed order: a permutation, capped at `regenerate_prompt_cap`; the last
+        `calibrate.max_prompts` form the calibration split (never used to train drafters)."""
+        total = sum(self._source_rows())
+        if not total:
+            raise ConfigError(f"no training conversations in {self._training_paths()}")
+        order = np.random.default_rng(self.cfg.regenerate.seed).permutation(total)
+        return order[: min(total, self.cfg.regenerate_prompt_cap)]
+
+    def _regen_requests(self, rows) -> dict[int, tuple]:
+        """{row: (the sample's own system message or None, its user turns)} of the rows `rows`
+        (indices as `_regen_order`'s) that hold a valid conversation; only those rows are read,
+        so each process reads the rows of its own shards."""
+        c, out, lo = self.cfg, {}, 0
+        wanted = np.sort(np.asarray(rows, np.int64))
+        for path, n in zip(self._training_paths(), self._source_rows()):
+            mine = (wanted[(wanted >= lo) & (wanted < lo + n)] - lo).tolist()
+            if path.startswith("tfds:") and mine:
+                name, split, field = parse_tfds_spec(c.data.tfds)
+                got, _ = read_tfds(name, split=split, kind="auto", field=field, rows=mine,
+                                   data_dir=c.data.tfds_data_dir or None)  # fmt: skip
+                got = [(cv.id, cv) for cv in got]  # a TFDS conversation's id: its index
+            elif mine:
+                got, _ = read_conversation_rows(path, mine, keep_system=True)
+            else:
+                got = []
+            for r, cv in got:
+                m = cv.messages
+                system = m[0].content if m and m[0].role == "system" else None
+                out[lo + int(r)] = (system, list(cv.user_turns()))
+            lo += n
         return out
 
     def render_config(self, **kw) -> RenderConfig:
@@ -401,7 +433,11 @@ class Pipeline(StagedRun):
         """The calibration split's prompts (the last regenerated conversations: no drafter trains
         on them, and they are not the evaluation prompts), those that fit with
         `calibrate.max_new_tokens`; a ConfigError when none does."""
-        _, cal = self._regenerated()
+        files = self._regenerated_files()  # only the calibration split's rows are read
+        counts = [count_jsonl_rows(f) for f in files]
+        n = sum(counts)
+        cal, _ = read_conversation_block(files, range(n - self._calibration_count(n), n),
+                                         keep_system=True, counts=counts)  # fmt: skip
         turns = [list(cv.user_turns()) for cv in cal]
         kept, _, limit = self.fitting_prompts(turns, self.cfg.calibrate.max_new_tokens)
         if not kept:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
@@ -28,8 +29,7 @@ def run_regenerate(p) -> dict:
     c = p.cfg.regenerate
     tcfg, tparams = regen_target(p)
     tok = p.tokenizer()
-    requests = p._regen_requests()
-    prompts = [t for _, t in requests]
+    order = p._regen_order()  # the rows answered, in order: row id = position in this order
     stop = p.stop_ids()
     ctx = tcfg.max_position_embeddings
     buckets = tuple(b for b in LENGTH_BUCKETS if b <= ctx)
@@ -37,29 +37,30 @@ def run_regenerate(p) -> dict:
     shard_dir = p.durable_dir("regenerate") / "shards"  # every process writes its shards
     shard_dir.mkdir(parents=True, exist_ok=True)
     shard = max(c.batch_size, 1) * c.shard_batches
-    # multi-process: process k regenerates shards s % n == k into <s>.p<k>.jsonl
+    # multi-process: process k regenerates shards s % n == k into <s>.p<k>.jsonl, reading only
+    # their rows
     pi, pn = jax.process_index(), jax.process_count()
-    mine = [lo for lo in range(0, len(prompts), shard) if (lo // shard) % pn == pi]
-    bar = tqdm(
-        total=sum(len(prompts[lo : lo + shard]) for lo in mine),
-        desc="regenerate",
-        unit="prompt",
-    )
-    written = 0
+    mine = [lo for lo in range(0, len(order), shard) if (lo // shard) % pn == pi]
+    todo = [lo for lo in mine if not any(shard_dir.glob(f"{lo // shard:05d}.*jsonl"))]
+    requests = p._regen_requests(np.concatenate([order[lo : lo + shard] for lo in todo] or [[]]))
+    p.log(f"  regenerate: {len(order)} rows in {-(-len(order) // shard)} shard(s); this "
+          f"process reads {sum(len(order[lo : lo + shard]) for lo in todo)} row(s), "
+          f"{len(requests)} usable")  # fmt: skip
+    bar = tqdm(total=sum(len(order[lo : lo + shard]) for lo in mine), desc="regenerate",
+               unit="prompt")  # fmt: skip
     for lo in mine:
         s = lo // shard
         path = shard_dir / (f"{s:05d}.jsonl" if pn == 1 else f"{s:05d}.p{pi}.jsonl")
-        chunk = prompts[lo : lo + shard]
-        if any(shard_dir.glob(f"{s:05d}.*jsonl")):  # resumed: finished before (any process)
-            bar.update(len(chunk))
-            written += len(chunk)
+        if lo not in todo:  # resumed: finished before (any process)
+            bar.update(len(order[lo : lo + shard]))
             continue
+        # (position, request) of the shard's usable rows
+        pos = [q for q in range(lo, min(lo + shard, len(order))) if int(order[q]) in requests]
+        got = [requests[int(order[q])] for q in pos]
+        chunk = [t for _, t in got]
         # the sample's own system message is sent with every turn (REFERENCE §1.2)
-        msgs = [
-            [{"role": "system", "content": sys_}] if sys_ else []
-            for sys_, _ in requests[lo : lo + shard]
-        ]
-        max_turns = max(len(t) for t in chunk)
+        msgs = [[{"role": "system", "content": sys_}] if sys_ else [] for sys_, _ in got]
+        max_turns = max((len(t) for t in chunk), default=0)
         for turn in range(max_turns):  # multi-turn prompts answered turn by turn
             idx = [i for i, t in enumerate(chunk) if len(t) > turn]
             for i in idx:
@@ -69,7 +70,7 @@ def run_regenerate(p) -> dict:
             outs = generate(
                 tcfg, tparams, [toks[j] for j in keep], max_new_tokens=c.max_new_tokens,
                 sampling={"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k},
-                stop_ids=stop, seeds=[c.seed + lo + idx[j] for j in keep],
+                stop_ids=stop, seeds=[c.seed + pos[idx[j]] for j in keep],
                 # a row that finishes takes the next prompt (models/generate_queue.py); a small
                 # group of long prompts runs through fewer rows
                 batch_buckets=_row_buckets(c.batch_size), length_buckets=buckets, loop="queue",
@@ -78,19 +79,18 @@ def run_regenerate(p) -> dict:
                 text = tok.decode([t for t in out if t not in stop], skip_special_tokens=True)
                 msgs[idx[j]].append({"role": "assistant", "content": text.strip() or "."})
         rows = [
-            {"id": lo + i, "conversations": m}
+            {"id": pos[i], "conversations": m}
             for i, m in enumerate(msgs)
             if m and m[-1]["role"] == "assistant"
         ]
         with atomic_write(path) as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-        written += len(chunk)
-        bar.update(len(chunk))
+        bar.update(len(order[lo : lo + shard]))
     bar.close()
     if pn > 1:  # every process's shards are written before anyone reads them
         multihost_utils.sync_global_devices("regenerate shards written")
-    return {"prompts": len(prompts)}
+    return {"prompts": len(order)}
 
 
 def check_regen_memory(p, tcfg, tparams, rows: int, cache_len: int) -> None:

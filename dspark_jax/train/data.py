@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import os
 import random
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Container, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +167,7 @@ def count_jsonl_rows(path: str | os.PathLike) -> int:
 
 
 def iter_jsonl(
-    path: str | os.PathLike, rows: range | None = None
+    path: str | os.PathLike, rows: Container[int] | None = None
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield `(line_number, object)` for every non-blank line (only those whose 0-based row
     index is in `rows`, when given: the others are not parsed); 1-based line numbers.
@@ -273,12 +274,26 @@ def read_conversations(
     `shard=(k, P)` reads (parses, validates) only process k's block of rows (`process_block`);
     `rows` (a range of 0-based row indices) reads only those.
     """
-    stats = ReadStats(source=Path(path).name)
-    convs: list[Conversation] = []
     if shard is not None and Path(path).is_file():
         rows = process_block(count_jsonl_rows(path), *shard)
-    start = rows.start if rows is not None else 0
-    for row_idx, (lineno, obj) in enumerate(iter_jsonl(path, rows), start=start):
+    got, stats = read_conversation_rows(path, rows, keep_system=keep_system)
+    return [c for _, c in got], stats
+
+
+def read_conversation_rows(
+    path: str | os.PathLike, rows: Collection[int] | None = None, *, keep_system: bool = False
+) -> tuple[list[tuple[int, Conversation]], ReadStats]:
+    """(0-based row index, conversation) of the valid rows among `rows` (any collection of row
+    indices below the file's row count; None: every row), in file order; only those rows are
+    parsed."""
+    stats = ReadStats(source=Path(path).name)
+    out: list[tuple[int, Conversation]] = []
+    if rows is None:
+        indices: Iterable[int] = itertools.count()
+    else:
+        indices = rows if isinstance(rows, range) else sorted(rows)
+        rows = rows if isinstance(rows, range) else frozenset(indices)
+    for row_idx, (lineno, obj) in zip(indices, iter_jsonl(path, rows)):
         if "conversations" not in obj:
             raise DataError(path, lineno, 'missing field "conversations" (a list of messages)')
         stats.read += 1
@@ -288,9 +303,9 @@ def read_conversations(
         if msgs is None:
             stats.drop(reason)
             continue
-        convs.append(Conversation(msgs, **_row_meta(obj, row_idx)))
+        out.append((row_idx, Conversation(msgs, **_row_meta(obj, row_idx))))
         stats.kept += 1
-    return convs, stats
+    return out, stats
 
 
 def read_conversation_block(

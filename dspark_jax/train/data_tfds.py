@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -77,15 +77,23 @@ def tfds_source(spec: str, data_dir: str | None = None) -> dict:
             "info": digest}  # fmt: skip
 
 
+def count_tfds_examples(name: str, split: str = "train", data_dir: str | None = None) -> int:
+    """The examples of a prepared TFDS split (from its metadata: nothing is read)."""
+    builder = _import_tfds().builder(name, data_dir=data_dir)
+    return int(builder.info.splits[split].num_examples)
+
+
 def _tfds_examples(
-    tfds: Any, name: str, split: str, data_dir: str | None, download: bool, shard
+    tfds: Any, name: str, split: str, data_dir: str | None, download: bool, shard, rows=None
 ) -> Iterator[tuple[int, Any]]:
     """(0-based index in the split, example as numpy dicts) of a prepared TFDS dataset, in
-    stored order; with `shard=(k, P)` only process k's contiguous block (`process_block`).
+    stored order; with `shard=(k, P)` only process k's contiguous block (`process_block`); with
+    `rows` (a collection of indices) only those.
 
     ArrayRecord datasets are read through `as_data_source` (no TensorFlow needed; only the
-    block's records are read); TFRecord ones through `tfds.load` of the block's split slice
-    (needs TensorFlow)."""
+    block's or the rows' records are read); TFRecord ones through `tfds.load` of the block's
+    split slice (needs TensorFlow; `rows` are picked from the whole split as it streams)."""
+    picked = rows
     builder = tfds.builder(name, data_dir=data_dir)
     if download:
         builder.download_and_prepare()
@@ -101,9 +109,15 @@ def _tfds_examples(
         rows = process_block(n, *shard) if shard else range(n)
         part = f"{split}[{rows.start}:{rows.stop}]" if shard else split
         ds = tfds.load(name, split=part, data_dir=data_dir, download=False)
-        yield from zip(rows, tfds.as_numpy(ds))
+        wanted = None if picked is None else frozenset(picked)
+        for i, ex in zip(rows, tfds.as_numpy(ds)):
+            if wanted is None or i in wanted:
+                yield i, ex
         return
-    rows = process_block(len(source), *shard) if shard else range(len(source))
+    if picked is not None:
+        rows = sorted(picked)
+    else:
+        rows = process_block(len(source), *shard) if shard else range(len(source))
     for i in rows:
         yield i, source[i]
 
@@ -118,6 +132,7 @@ def read_tfds(
     limit: int | None = None,
     download: bool = False,
     shard: tuple[int, int] | None = None,
+    rows: Collection[int] | None = None,
 ) -> tuple[list[Prompt] | list[Conversation], ReadStats]:
     """Read prompts or conversations from a TensorFlow-Datasets dataset (extra ``[tfds]``).
 
@@ -131,13 +146,14 @@ def read_tfds(
     the machines we target are offline: prepare the dataset into `data_dir` first. ArrayRecord
     datasets (the TFDS default for new builds with `file_format="array_record"`) need no
     TensorFlow. `shard=(k, P)` reads only process k's contiguous block of the split's examples
-    (`process_block`; ids stay the examples' indices in the whole split).
+    (`process_block`; ids stay the examples' indices in the whole split); `rows` reads only
+    the examples of those indices.
     """
     tfds = _import_tfds()
     where = f"tfds:{name}/{split}"
     stats = ReadStats(source=where)
     out: list = []
-    examples = _tfds_examples(tfds, name, split, data_dir, download, shard)
+    examples = _tfds_examples(tfds, name, split, data_dir, download, shard, rows)
     for idx, example in examples:
         if limit is not None and idx >= limit:
             break
