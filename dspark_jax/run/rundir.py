@@ -321,7 +321,8 @@ class RunDir:
             context_window=context_window,
             device_memory_gib=self.config.drafters.train.device_memory_gib,
         )  # fmt: skip
-        plan = f"  {kind} decoder ({engine.config.num_slots} slots x {max_len}): " + (
+        slots = engine.config.num_slots
+        plan = f"  {kind} decoder ({slots} slot{'' if slots == 1 else 's'} x {max_len}): " + (
             engine.memory_plan.summary()
         )
         logged = self._cache.setdefault("logged_plans", set())
