@@ -18,18 +18,45 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import numpy as np
 
 from dspark_jax.errors import ConfigError
-from dspark_jax.train.memory import GIB, HEADROOM, _gib, reported_limit, sharded_bytes
+from dspark_jax.train.memory import (
+    GIB,
+    HEADROOM,
+    _gib,
+    _MemoryPlan,
+    reported_limit,
+    sharded_bytes,
+)
 
 _LOGIT_BUFFERS = 3  # logits, probabilities, and the sort / filter buffer of the filtered mode
 
 
+class _DevicePlan(_MemoryPlan):
+    """The engine's and plain decoding's plans: `summary()` names what (`_WHAT`) and lists the
+    subclass's `parts()`, then the total against the limit."""
+
+    _WHAT: ClassVar[str]
+
+    def parts(self) -> str:
+        raise NotImplementedError
+
+    def summary(self) -> str:
+        lim = "(no device memory limit reported)"
+        if self.limit is not None:
+            lim = f"of {_gib(self.limit)} ({HEADROOM:.0%} usable)"
+        return f"{self._WHAT} memory per device: {self.parts()}; total {_gib(self.total)} {lim}"
+
+
 @dataclasses.dataclass(frozen=True)
-class EngineMemoryPlan:
+class EngineMemoryPlan(_DevicePlan):
+    _WHAT = "engine"
+    _PARTS = ("params", "target_kv", "drafter_kv", "rows", "activations")
+
     params: int
     target_kv: int
     drafter_kv: int
@@ -37,26 +64,12 @@ class EngineMemoryPlan:
     activations: int
     limit: int | None
 
-    @property
-    def total(self) -> int:
-        return self.params + self.target_kv + self.drafter_kv + self.rows + self.activations
-
-    @property
-    def fits(self) -> bool:
-        return self.limit is None or self.total <= HEADROOM * self.limit
-
     def parts(self) -> str:
         return (
             f"params {_gib(self.params)}, target KV {_gib(self.target_kv)}, drafter KV "
             f"{_gib(self.drafter_kv)}, slot rows {_gib(self.rows)}, largest call "
             f"~{_gib(self.activations)}"
         )
-
-    def summary(self) -> str:
-        lim = "(no device memory limit reported)"
-        if self.limit is not None:
-            lim = f"of {_gib(self.limit)} ({HEADROOM:.0%} usable)"
-        return f"engine memory per device: {self.parts()}; total {_gib(self.total)} {lim}"
 
 
 def _bytes(tree, shardings) -> int:
@@ -121,35 +134,24 @@ def plan_engine_memory(tcfg, config, tparams, dparams, abstract_state, state_sha
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeMemoryPlan:
+class DecodeMemoryPlan(_DevicePlan):
     """Plain batched decoding's (`models.generate`: the regenerate stage) memory per device:
     params and the KV cache of `rows` x `cache_len` positions exact, as placed on the params'
     mesh (`decoding.on_params_mesh`); the prefill's largest transients estimated."""
+
+    _WHAT = "decoding"
+    _PARTS = ("params", "kv", "activations")
 
     params: int
     kv: int
     activations: int
     limit: int | None
 
-    @property
-    def total(self) -> int:
-        return self.params + self.kv + self.activations
-
-    @property
-    def fits(self) -> bool:
-        return self.limit is None or self.total <= HEADROOM * self.limit
-
     def parts(self) -> str:
         return (
             f"params {_gib(self.params)}, KV cache {_gib(self.kv)}, largest call "
             f"~{_gib(self.activations)}"
         )
-
-    def summary(self) -> str:
-        lim = "(no device memory limit reported)"
-        if self.limit is not None:
-            lim = f"of {_gib(self.limit)} ({HEADROOM:.0%} usable)"
-        return f"decoding memory per device: {self.parts()}; total {_gib(self.total)} {lim}"
 
 
 def plan_decode_memory(tcfg, tparams, rows: int, cache_len: int,

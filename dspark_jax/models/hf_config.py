@@ -132,6 +132,42 @@ def _target_config(hf: dict[str, Any], target_layer_ids, dtype: str) -> TargetCo
     )
 
 
+def base_config_dict(
+    cfg: TargetConfig,
+    hf_class: str,
+    model_type: str,
+    rope: dict[str, Any],
+    *,
+    activation: tuple[str, str],
+    attention_bias: bool,
+    **geometry: Any,
+) -> dict[str, Any]:
+    """The `config.json` keys every text config we write shares (`hf_config_dict`'s and
+    `gemma4_text_config_dict`'s), in their written order: class, model type and geometry (with
+    `geometry`'s own keys after `head_dim`), the activation as `(key, name)` (its key differs
+    by model), norm, rope, positions, tying and attention; the callers add theirs after."""
+    act_key, act = activation
+    return {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        **geometry,
+        act_key: act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": attention_bias,
+        "attention_dropout": 0.0,
+    }
+
+
 def hf_config_dict(cfg: TargetConfig, dtype: str | None = None) -> dict[str, Any]:
     """The Hugging Face `config.json` for `cfg` (transformers 5 layout, `rope_parameters`)."""
     if cfg.architecture not in _HF_CLASS:
@@ -146,26 +182,15 @@ def hf_config_dict(cfg: TargetConfig, dtype: str | None = None) -> dict[str, Any
             high_freq_factor=s.high_freq_factor,
             original_max_position_embeddings=s.original_max_position_embeddings,
         )
-    d: dict[str, Any] = {
-        "architectures": [_HF_CLASS[cfg.architecture]],
-        "model_type": cfg.architecture,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": rope,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": cfg.qkv_bias,
-        "attention_dropout": 0.0,
-        "dtype": dtype or cfg.dtype,
-        _LAYER_IDS_KEY: list(cfg.target_layer_ids),
-    }
+    d = base_config_dict(
+        cfg,
+        _HF_CLASS[cfg.architecture],
+        cfg.architecture,
+        rope,
+        activation=("hidden_act", "silu"),
+        attention_bias=cfg.qkv_bias,
+    )
+    d.update({"dtype": dtype or cfg.dtype, _LAYER_IDS_KEY: list(cfg.target_layer_ids)})
     if cfg.architecture == "llama":
         d["mlp_bias"] = False
     else:

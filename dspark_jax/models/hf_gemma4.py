@@ -191,6 +191,8 @@ def gemma4_text_config_dict(cfg: TargetConfig, dtype: str | None = None) -> dict
     """The HF `Gemma4TextConfig` fields of `cfg` (the inverse of `gemma4_config`): the global
     layers' geometry as `global_head_dim` / `num_global_key_value_heads` (the released
     configs' keys), or as `per_layer_config` where K/V heads differ without K = V."""
+    from dspark_jax.models.hf_config import base_config_dict  # (hf_config imports this module)
+
     g = cfg.gemma
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": g.global_rope_theta}
     if (g.global_rope_fraction, g.global_rope_factor) != (1.0, 1.0):
@@ -198,29 +200,19 @@ def gemma4_text_config_dict(cfg: TargetConfig, dtype: str | None = None) -> dict
         if g.global_rope_factor != 1.0:
             full["factor"] = g.global_rope_factor
     moe = g.num_experts > 0
+    sliding = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     d: dict[str, Any] = {
-        "architectures": ["Gemma4ForCausalLM"],
-        "model_type": "gemma4_text",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "global_head_dim": g.global_head_dim,
-        "num_global_key_value_heads": g.global_kv_heads if g.k_eq_v else None,
-        "attention_k_eq_v": g.k_eq_v,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "full_attention": full,
-        },
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
+        **base_config_dict(
+            cfg,
+            "Gemma4ForCausalLM",
+            "gemma4_text",
+            {"sliding_attention": sliding, "full_attention": full},
+            activation=("hidden_activation", "gelu_pytorch_tanh"),
+            attention_bias=False,
+            global_head_dim=g.global_head_dim,
+            num_global_key_value_heads=g.global_kv_heads if g.k_eq_v else None,
+            attention_k_eq_v=g.k_eq_v,
+        ),
         "sliding_window": g.sliding_window,
         "layer_types": list(g.layer_types),
         "final_logit_softcapping": g.final_logit_softcapping,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -52,9 +52,28 @@ def resolve_dtypes(cfg: TrainConfig, backend: str | None = None) -> TrainConfig:
     return cfg.replace(compute_dtype=cdt, target_dtype=tdt)
 
 
+class _MemoryPlan:
+    """What the memory plans (frozen dataclasses: this one, `engine.memory`'s) share: `total`,
+    the sum of the fields `_PARTS` names, and whether it `fits` in `HEADROOM` of the field
+    `limit` (None: no limit known, it fits)."""
+
+    _PARTS: ClassVar[tuple[str, ...]]
+    limit: int | None
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, part) for part in self._PARTS)
+
+    @property
+    def fits(self) -> bool:
+        return self.limit is None or self.total <= HEADROOM * self.limit
+
+
 @dataclasses.dataclass(frozen=True)
-class MemoryPlan:
+class MemoryPlan(_MemoryPlan):
     """Per-device bytes of one training micro-step (see the module docstring)."""
+
+    _PARTS = ("params", "optimizer", "activations", "logits")
 
     params: int
     optimizer: int
@@ -63,14 +82,6 @@ class MemoryPlan:
     local_batch: int  # sequences per device per micro-step
     seq_len: int
     limit: int | None  # bytes of the smallest local device, None when unknown (CPU)
-
-    @property
-    def total(self) -> int:
-        return self.params + self.optimizer + self.activations + self.logits
-
-    @property
-    def fits(self) -> bool:
-        return self.limit is None or self.total <= HEADROOM * self.limit
 
     def summary(self) -> str:
         lim = "unknown (no device memory limit reported)"
