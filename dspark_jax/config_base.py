@@ -54,6 +54,20 @@ def from_json(cls, d: dict[str, Any]):
     return cls(**kw)
 
 
+class ConfigMethods:
+    """`replace` (checked field names), `to_json` and `from_json` of a config dataclass."""
+
+    def replace(self, **kw):
+        return replace_checked(self, **kw)
+
+    def to_json(self) -> dict[str, Any]:
+        return to_json(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]):
+        return from_json(cls, d)
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Mesh shape over (data, fsdp, tensor). -1 in `data` means: all remaining devices."""

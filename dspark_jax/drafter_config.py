@@ -14,6 +14,11 @@ DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 
+# the baselines' heads and loss: no Markov head, no confidence head, CE only
+_CE_ONLY = dict(markov_rank=0, confidence_head=False, confidence_with_markov=False, ce_alpha=1.0,
+                l1_alpha=0.0, conf_alpha=0.0)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
     """A drafter for one target: DSpark, DFlash (modified, γ inputs -> γ predictions) or Eagle3.
@@ -198,29 +203,9 @@ class DrafterConfig:
     @classmethod
     def dflash(cls, target: TargetConfig, **kw) -> DrafterConfig:
         """Modified DFlash preset: same backbone, no heads, CE only."""
-        base = dict(
-            markov_rank=0,
-            confidence_head=False,
-            confidence_with_markov=False,
-            ce_alpha=1.0,
-            l1_alpha=0.0,
-            conf_alpha=0.0,
-        )
-        base.update(kw)
-        return cls(target=target, kind="dflash", **base)
+        return cls(target=target, kind="dflash", **{**_CE_ONLY, **kw})
 
     @classmethod
     def eagle3(cls, target: TargetConfig, **kw) -> DrafterConfig:
         """Eagle3 preset: 1 layer, TTT 7, step decay 0.8, soft-label CE, seed 0."""
-        base = dict(
-            num_layers=1,
-            markov_rank=0,
-            confidence_head=False,
-            confidence_with_markov=False,
-            ce_alpha=1.0,
-            l1_alpha=0.0,
-            conf_alpha=0.0,
-            seed=0,
-        )
-        base.update(kw)
-        return cls(target=target, kind="eagle3", **base)
+        return cls(target=target, kind="eagle3", **{**_CE_ONLY, "num_layers": 1, "seed": 0, **kw})

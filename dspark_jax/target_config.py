@@ -6,9 +6,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from dspark_jax.config_base import from_json, replace_checked, to_json
+from dspark_jax.config_base import ConfigMethods
 from dspark_jax.errors import ConfigError
 
 ARCHITECTURES = ("qwen3", "qwen2", "llama", "gemma4")
@@ -85,7 +84,7 @@ class Gemma4Config:
 
 
 @dataclasses.dataclass(frozen=True)
-class TargetConfig:
+class TargetConfig(ConfigMethods):
     """Decoder-only target LM of the Qwen3 / Qwen2 / Llama-3 family, or a Gemma 4 text decoder.
 
     `architecture` decides the small differences: qwen3 has per-head q/k RMSNorm and no bias,
@@ -154,16 +153,6 @@ class TargetConfig:
     @property
     def feature_size(self) -> int:
         return self.num_feature_layers * self.hidden_size
-
-    def replace(self, **kw) -> TargetConfig:
-        return replace_checked(self, **kw)
-
-    def to_json(self) -> dict[str, Any]:
-        return to_json(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> TargetConfig:
-        return from_json(cls, d)
 
 
 def default_target_layer_ids(num_layers: int, m: int = 5) -> tuple[int, ...]:

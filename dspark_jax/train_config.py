@@ -5,9 +5,8 @@ evaluation and checkpoint intervals). Re-exported by `dspark_jax.config`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from dspark_jax.config_base import from_json, replace_checked, to_json
+from dspark_jax.config_base import ConfigMethods
 from dspark_jax.errors import ConfigError
 
 FEATURE_MODES = ("online", "offline")
@@ -15,7 +14,7 @@ MEMORY_CHECKS = ("auto", "estimate", "compiled", "off")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(ConfigMethods):
     """Drafter training (REFERENCE §1.5, §4.3, §8). Hashable: a static `jax.jit` argument.
 
     Optimizer: AdamW(b1, b2, eps, weight_decay) on fp32 master weights of the trainable
@@ -141,13 +140,3 @@ class TrainConfig:
     @property
     def accum_steps(self) -> int:
         return self.global_batch_size // self.micro_batch_size
-
-    def replace(self, **kw) -> TrainConfig:
-        return replace_checked(self, **kw)
-
-    def to_json(self) -> dict[str, Any]:
-        return to_json(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> TrainConfig:
-        return from_json(cls, d)
