@@ -30,7 +30,7 @@ def test_sample_system_prompt_is_kept_and_no_default_for_the_demo_template(tmp_p
            "data": DataStage(conversation_files=(str(f),))}
     )  # fmt: skip
     p = Pipeline(cfg, log=lambda *a: None)
-    got = sorted(p._regen_requests(), key=lambda r: r[1])
+    got = sorted(p._regen_requests(p._regen_order()).values(), key=lambda r: r[1])
     assert got == [("Answer in French.", ["hello"]), (None, ["hi"])]
     convs = p._training_conversations()
     assert [m.role for m in convs[0].messages][0] == "system"
