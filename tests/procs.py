@@ -19,13 +19,11 @@ from pathlib import Path
 TEST_OPT_FLAG = "--xla_backend_optimization_level=0"
 
 
-def xla_flags(devices: int = 1, default_level: bool = False) -> str:
+def xla_flags(devices: int = 1) -> str:
     """XLA_FLAGS for a test's subprocess: `devices` simulated CPU devices and the tests'
-    optimisation level (train.py / serve.py add the collectives' patient timeout themselves).
-    `default_level`: XLA's own level, for runs compared bit for bit with a run a user's command
-    made (CI's first step trains the micro preset that way: tests/test_pipeline_mesh.py)."""
-    many = f"--xla_force_host_platform_device_count={devices}" if devices > 1 else ""
-    return many if default_level else f"{many} {TEST_OPT_FLAG}".strip()
+    optimisation level (train.py / serve.py add the collectives' patient timeout themselves)."""
+    many = f"--xla_force_host_platform_device_count={devices} " if devices > 1 else ""
+    return many + TEST_OPT_FLAG
 
 
 def free_port() -> int:

@@ -22,10 +22,7 @@ STAGES = ("corpus", "tokenizer", "target", "regenerate", "drafters", "calibrate"
 
 
 def _env(devices: int) -> dict:
-    """A subprocess's environment, at XLA's default optimisation level: these runs are compared
-    with the one-device run (CI's first step's, a user's command) to the last bit."""
-    env = dict(os.environ, TQDM_DISABLE="1", JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = xla_flags(devices, default_level=True)
+    env = dict(os.environ, TQDM_DISABLE="1", JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
     if devices > 1:
         # 8 simulated devices share 2 cores: a collective's threads can wait longer than XLA's
         # default 40 s abort while another process compiles (seen on a loaded machine)
