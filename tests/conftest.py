@@ -9,11 +9,6 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # take longer than XLA:CPU's default 40 s, after which it aborts the process
 if "collective_call_terminate_timeout" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_collective_call_terminate_timeout_seconds=900"
-# the tests' compiler optimisation level (tests/procs.py says why), unless the caller chose one
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    from tests.procs import TEST_OPT_FLAG
-
-    os.environ["XLA_FLAGS"] += " " + TEST_OPT_FLAG
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -9,22 +9,6 @@ import subprocess
 import time
 from pathlib import Path
 
-# Every test process and every subprocess a test starts compiles with XLA:CPU's backend (LLVM) at
-# optimisation level 0: the suite is mostly compilation of small programs that run a few times.
-# Measured on the 2-core machine, persistent cache off, against XLA's default level:
-#   test_engine_head + test_engine_chunked      compiling  96 -> 58 s, wall 128 -> 90 s
-#   test_engine_sampled + trainer + drafters    compiling 259 -> 138 s, wall 405 -> 342 s
-#     (the programs themselves ran ~40% slower: 146 -> 204 s; level 1 compiled in 195 s)
-# The tests check what is computed, never how fast; benchmarks/ and users' runs keep the default.
-TEST_OPT_FLAG = "--xla_backend_optimization_level=0"
-
-
-def xla_flags(devices: int = 1) -> str:
-    """XLA_FLAGS for a test's subprocess: `devices` simulated CPU devices and the tests'
-    optimisation level (train.py / serve.py add the collectives' patient timeout themselves)."""
-    many = f"--xla_force_host_platform_device_count={devices} " if devices > 1 else ""
-    return many + TEST_OPT_FLAG
-
 
 def free_port() -> int:
     """A loopback TCP port nothing listens on (the kernel's pick for port 0)."""

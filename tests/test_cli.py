@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import xla_flags
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(script: str, *args: str, cwd=None, timeout=300):
-    env = dict(os.environ, TQDM_DISABLE="1", XLA_FLAGS=xla_flags())
+    env = dict(os.environ, TQDM_DISABLE="1")
+    env.pop("XLA_FLAGS", None)
     return subprocess.run(
         [sys.executable, str(ROOT / script), *args],
         cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout,
@@ -83,7 +82,8 @@ def test_configuration_mistakes_are_reported_before_jax_loads(tmp_path):
         (["--set", "evaluate.temperature=-1"], "out of range"),
         (["--stages", "evaluat"], "unknown stage"),
     ):
-        env = dict(os.environ, XLA_FLAGS=xla_flags())
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)
         p = subprocess.run([sys.executable, "-c", code, str(ROOT), *base, *extra], cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
         _assert_user_error(p, needle)

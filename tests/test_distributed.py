@@ -22,7 +22,7 @@ from train_subprocess import drafter_trainer
 
 from dspark_jax import parallel
 from dspark_jax.config import MeshConfig
-from tests.procs import free_port, xla_flags
+from tests.procs import free_port
 
 HERE = Path(__file__).parent
 
@@ -117,7 +117,7 @@ def test_xla_gradient_on_a_2x2x2_mesh_is_correct():
 def test_two_processes_train_checkpoint_and_resume_in_lockstep(tmp_path):
     port = free_port()
     env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(2)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     procs, outs = [], []

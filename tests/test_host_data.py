@@ -30,7 +30,7 @@ from dspark_jax.train.data import (
 )
 from dspark_jax.train.data_tfds import read_tfds
 from dspark_jax.train.lm import pack_windows
-from tests.procs import free_port, wait_all, xla_flags
+from tests.procs import free_port, wait_all
 
 HERE = Path(__file__).parent
 
@@ -75,7 +75,7 @@ def two_processes(tmp_path_factory):
     write_conversations(chats, _chats())
     tok_dir = tiny_tokenizer(tmp / "tok").name_or_path
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=xla_flags(2))  # fmt: skip
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     port, outs, procs = free_port(), [tmp / f"p{i}.json" for i in range(2)], []
     logs = [tmp / f"p{i}.log" for i in range(2)]

@@ -16,7 +16,7 @@ from dspark_jax.config import MeshConfig
 from dspark_jax.errors import ConfigError
 from dspark_jax.launch import init_distributed
 from dspark_jax.parallel import local_mesh
-from tests.procs import free_port, xla_flags
+from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,9 @@ def test_incomplete_flags_are_one_line_errors(monkeypatch):
 def test_two_processes_join_from_flags_and_from_the_environment(tmp_path):
     """Process 0 from flags, process 1 from JAX_* environment variables: one 4-device mesh."""
     port = free_port()
-    base = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2))
+    base = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"
+    )
     base["PYTHONPATH"] = os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")])
     for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         base.pop(k, None)
@@ -157,7 +159,7 @@ def test_batch_that_the_mesh_cannot_split_is_refused_at_start_up(tmp_path):
     """A drafters micro-batch that data x fsdp does not divide: one line naming the field, exit 2,
     before any stage runs (it used to surface only when the drafters stage built its Trainer)."""
     env = dict(os.environ, TQDM_DISABLE="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=xla_flags(2))  # fmt: skip
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")  # fmt: skip
     run = tmp_path / "run"
     p = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--config", "configs/micro.py", "--run-dir",

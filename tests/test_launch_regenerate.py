@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import free_port, xla_flags
+from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = "corpus,tokenizer,target,regenerate"
@@ -24,7 +24,7 @@ SETS = ["--set", "regenerate.max_prompts=10", "--set", "regenerate.batch_size=2"
 
 def _train(run_dir: Path, stages: str, extra=(), **env_extra) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", TQDM_DISABLE="1", **env_extra)
-    env["XLA_FLAGS"] = xla_flags()  # one device per process
+    env.pop("XLA_FLAGS", None)  # one device per process
     argv = [sys.executable, str(ROOT / "train.py"), "--config", "configs/micro.py",
             "--run-dir", str(run_dir), "--stages", stages, *SETS, *extra]  # fmt: skip
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

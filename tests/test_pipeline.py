@@ -17,13 +17,15 @@ from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError
 from dspark_jax.pipeline_config import PipelineConfig, apply_overrides
 from dspark_jax.run.rundir import RunDir
-from tests.procs import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(args, timeout=600, devices=1):
-    env = dict(os.environ, XLA_FLAGS=xla_flags(devices))  # one device, like a user's run
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one device, like a user's run
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["TQDM_DISABLE"] = "1"
     p = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],

@@ -15,18 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import xla_flags
-
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("corpus", "tokenizer", "target", "regenerate", "drafters", "calibrate", "evaluate")
 
 
 def _env(devices: int) -> dict:
-    env = dict(os.environ, TQDM_DISABLE="1", JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
+    env = dict(os.environ, TQDM_DISABLE="1", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
     if devices > 1:
         # 8 simulated devices share 2 cores: a collective's threads can wait longer than XLA's
         # default 40 s abort while another process compiles (seen on a loaded machine)
-        env["XLA_FLAGS"] += " --xla_cpu_collective_call_terminate_timeout_seconds=900"
+        env["XLA_FLAGS"] = (
+            f"--xla_force_host_platform_device_count={devices} "
+            "--xla_cpu_collective_call_terminate_timeout_seconds=900"
+        )
     return env
 
 

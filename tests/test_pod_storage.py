@@ -24,7 +24,6 @@ from dspark_jax.io import atomic_write, write_json_atomic
 from dspark_jax.run.store import StageStore
 from dspark_jax.storage import as_path, move_tree
 from dspark_jax.train.checkpoint import Checkpointer, CheckpointWarning
-from tests.procs import xla_flags
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -210,7 +209,8 @@ def test_micro_pipeline_on_a_bucket_run_dir(bucket, tmp_path, monkeypatch):
     here = Path(__file__).resolve().parent
     cache = tmp_path / "cache"
     monkeypatch.setenv("DSPARK_CACHE", str(cache))
-    env = dict(os.environ, TQDM_DISABLE="1", DSPARK_CACHE=str(cache), XLA_FLAGS=xla_flags())
+    env = dict(os.environ, TQDM_DISABLE="1", DSPARK_CACHE=str(cache))
+    env.pop("XLA_FLAGS", None)
     env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent), env.get("PYTHONPATH", "")])
     url = "gs://bkt/runs/micro"
     args = ["--config", str(here.parent / "configs" / "micro.py"), "--run-dir", url,
