@@ -1,7 +1,7 @@
 """The stages behind `train.py`: corpus → tokenizer → target → regenerate → drafters →
-calibrate → evaluate (one `_stage_<name>` method each; the two longest bodies are in
-`run/regenerate_stage.py` and `run/evaluate_stage.py`). Caching, cache keys and the run
-directory's versions are `dspark_jax.run.staged.StagedRun`'s; loading is `RunDir`'s.
+calibrate → evaluate (one `_stage_<name>` method each; the longest bodies are in
+`run/regenerate_stage.py`, `run/drafters_stage.py` and `run/evaluate_stage.py`). Caching, cache
+keys and the run directory's versions are `dspark_jax.run.staged.StagedRun`'s; loading is `RunDir`'s.
 
 The trainers (train.lm, train.trainer, train.features: optax and orbax) and the evaluation
 (eval/, engine/) are imported inside the stages that run them, on purpose: with jax already
@@ -13,8 +13,6 @@ or a single `--stages`, should not pay for modules it never runs.
 from __future__ import annotations
 
 import json
-import shutil
-import time
 from pathlib import Path
 
 import jax
@@ -25,7 +23,8 @@ from dspark_jax.demo.corpus import build_corpus
 from dspark_jax.errors import ConfigError
 from dspark_jax.io import write_json_atomic
 from dspark_jax.models.hf import save_target_hf
-from dspark_jax.run import regenerate_stage
+from dspark_jax.models.transformer import param_count
+from dspark_jax.run import drafters_stage, regenerate_stage
 from dspark_jax.run.staged import STAGES, StagedRun
 from dspark_jax.run.validate import validate_mesh
 from dspark_jax.sched.sts import fit_sts
@@ -41,7 +40,6 @@ from dspark_jax.train.data import (
     read_prompts,
 )
 from dspark_jax.train.data_tfds import count_tfds_examples, parse_tfds_spec, read_tfds
-from dspark_jax.train.memory import resolve_dtypes
 from dspark_jax.train.tokenizer import train_tokenizer
 
 
@@ -185,7 +183,7 @@ class Pipeline(StagedRun):
         c = self.cfg
         if c.target.path:
             tcfg, _ = self.target()
-            return {"source": c.target.path, "params": _count(self.target()[1])}
+            return {"source": c.target.path, "params": param_count(self.target()[1])}
         from dspark_jax.train.lm import train_lm
 
         t = c.target
@@ -216,7 +214,7 @@ class Pipeline(StagedRun):
         save_target_hf(tcfg, params, self.stage_dir("target") / "hf", tokenizer=tok)
         self.rundir.forget("target")
         write_json_atomic(self.stage_dir("target") / "train_log.json", log)
-        return {"params": _count(params), "final": log[-1] if log else None}
+        return {"params": param_count(params), "final": log[-1] if log else None}
 
     def _target_windows(self, tok, rc):
         """(held-out, training) windows and the training tokens of a per-host run: this process
@@ -325,109 +323,7 @@ class Pipeline(StagedRun):
         return convs
 
     def _stage_drafters(self):
-        from dspark_jax.train.trainer import Trainer
-
-        d = self.cfg.drafters
-        tcfg, tparams = self.target()
-        tok = self.tokenizer()
-        rc = self.render_config(
-            max_length=max(d.train.seq_buckets), min_loss_tokens=d.min_loss_tokens
-        )
-        # per host: each process reads and tokenizes only its block of the rows
-        offline, per_host = d.train.feature_mode == "offline", self._per_host()
-        train_convs = self._regenerated_block() if per_host else self._regenerated()[0]
-        samples, stats = encode_conversations(tok, train_convs, rc)
-        self.log(f"  {stats.summary()}")
-        feature_dir = self.stage_dir("drafters") / "features"
-        if per_host and offline:  # each process computes the features of its own rows
-            train_s, eval_s = self._host_feature_caches(feature_dir, samples)
-        elif per_host:  # online: the one-process run's batches, gathered on the mesh
-            from dspark_jax.train.host_data import HostTable
-
-            table = HostTable.of(self.mesh, [samples])
-            n_eval = max(d.train.global_batch_size, table.size // d.eval_one_in)
-            eval_s = table.source(np.arange(min(n_eval, table.size)))
-            train_s = table.source(np.arange(n_eval, table.size))
-        else:
-            n_eval = max(d.train.global_batch_size, len(samples) // d.eval_one_in)
-            eval_s, train_s = samples[:n_eval], samples[n_eval:]
-            if offline:  # one target pass shared by every drafter
-                train_s, eval_s = self._feature_caches(feature_dir, tcfg, tparams, train_s,
-                                                       eval_s)  # fmt: skip
-        info = {}
-        for kind in d.kinds:
-            dcfg = self.rundir.drafter_config(kind, tcfg)
-            trainer = Trainer.for_drafter(
-                d.train, dcfg, tparams, train_data=train_s,
-                eval_data=eval_s, run_dir=self.durable_dir("drafters") / kind,
-                mesh=self.mesh, target_name=self.rundir.target_name(),
-                vocab_hash=self.rundir.vocab_hash(),
-            )  # fmt: skip
-            self.log(f"  training {kind}: {_count(trainer.trainable)} trainable parameters")
-            res = trainer.run()
-            best_step, best_score = res.best_step, res.best_score
-            if not (trainer.run_dir / "best").is_dir() or best_step is None:
-                # fewer steps than eval_interval, or resumed after the last step: evaluate now so
-                # that the stage always ends with a best checkpoint
-                trainer.evaluate()
-                trainer.best_ckpt.wait()
-                best_step, best_score = trainer.best_step, trainer.best_score
-            if best_step is None:
-                raise ConfigError(
-                    f"the {kind} drafter's evaluation gave no finite simulated τ, so there is no "
-                    "best checkpoint — lower drafters.train.learning_rate or raise "
-                    "drafters.train.total_steps"
-                )
-            info[kind] = {"best_step": best_step, "best_sim_tau": best_score}
-        # derived data (one target pass to rebuild), not an output; per host, each process
-        # removes its own caches (another may still be reading its own)
-        mine = feature_dir / f"p{jax.process_index():05d}" if per_host else feature_dir
-        if mine.is_dir():
-            shutil.rmtree(mine)
-        if per_host and offline:  # every process's caches are gone before the folder goes
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("feature caches removed")
-            if jax.process_index() == 0 and feature_dir.is_dir():
-                feature_dir.rmdir()
-        return info
-
-    def _host_feature_caches(self, out, samples):
-        """Offline features per host: this process's held-out and training samples (the first
-        and the rest of its block; every process holds out its share of the one-process
-        count), their features computed by its own copy of the target on its local devices
-        (as regeneration runs) into its own caches, read as `host_data.HostShards`."""
-        from dspark_jax.train.data import process_block
-        from dspark_jax.train.host_data import HostShards, gather_hosts
-
-        d, k, n = self.cfg.drafters, jax.process_index(), jax.process_count()
-        total = int(gather_hosts(np.asarray([len(samples)], np.int64)).sum())
-        n_eval = len(process_block(max(d.train.global_batch_size, total // d.eval_one_in), k, n))
-        tcfg, tparams = regenerate_stage.regen_target(self)
-        train_r, eval_r = self._feature_caches(out / f"p{k:05d}", tcfg, tparams,
-                                               samples[n_eval:], samples[:n_eval], local=True)  # fmt: skip
-        self.rundir._cache.pop("regen_target", None)  # the run's target stays; this copy goes
-        return HostShards(train_r), HostShards(eval_r)
-
-    def _feature_caches(self, out, tcfg, tparams, train_s, eval_s, local=False):
-        """The target's features of the training and held-out samples, computed once
-        (`train.features`, in the target's training dtype; resumed after an interruption)
-        and read by every drafter's Trainer instead of running the target in each step."""
-        from dspark_jax.train.features import write_feature_cache
-
-        t = resolve_dtypes(self.cfg.drafters.train)
-        t0 = time.perf_counter()
-        kw = dict(buckets=t.seq_buckets, batch_size=t.micro_batch_size, dtype=t.target_dtype)
-        if local:  # this process's own samples, computed in this process alone
-            kw.update(process_index=0, process_count=1)
-        readers = [
-            write_feature_cache(out / name, tcfg, tparams, samples, progress=True, **kw)
-            for name, samples in (("train", train_s), ("eval", eval_s))
-        ]
-        mb = sum(f.stat().st_size for f in out.rglob("*.npy")) / 2**20
-        self.log(f"  target features of {len(train_s) + len(eval_s)} samples: {mb:.0f} MiB in "
-                 f"{time.perf_counter() - t0:.0f} s, shared by the drafters")  # fmt: skip
-        return readers[0], readers[1]
+        return drafters_stage.run_drafters(self)
 
     def calibration_prompts(self) -> tuple:
         """The calibration split's prompts (the last regenerated conversations: no drafter trains
@@ -489,10 +385,6 @@ class Pipeline(StagedRun):
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
-
-
-def _count(tree) -> int:
-    return int(sum(x.size for x in jax.tree.leaves(tree)))
 
 
 def stage_summary(p: Pipeline) -> str:
