@@ -13,6 +13,25 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Compiling is most of the suite's time (CI: 899 of 1108 s in tests/test_e*), so the pytest
+# processes compile at XLA:CPU's lowest optimisation level: the engine tests' compile time -40%,
+# their run time +40%, a third off those groups' wall time (docs/MEASUREMENTS.md). Only these
+# processes: XLA reads XLA_FLAGS once, when the backend starts below, and the flag then leaves
+# the environment, so the train.py / serve.py subprocesses the tests start compile at the
+# default level, as a user's run and CI's first step do (some tests compare with that run bit
+# for bit, and read its compiled programs from the persistent cache). A caller's own
+# XLA_FLAGS level is left alone.
+LEVEL0 = "--xla_backend_optimization_level=0"
+_own_level = "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]
+if _own_level:
+    os.environ["XLA_FLAGS"] += " " + LEVEL0
+
+import jax  # noqa: E402
+
+jax.devices()  # the backend starts and reads XLA_FLAGS (once per process)
+if _own_level:
+    os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(" " + LEVEL0, "")
+
 # Property tests draw a fixed example sequence: CI is reproducible and a failure can be replayed.
 from hypothesis import settings  # noqa: E402
 
