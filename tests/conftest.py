@@ -21,7 +21,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # default level, as a user's run and CI's first step do (some tests compare with that run bit
 # for bit, and read its compiled programs from the persistent cache). A caller's own
 # XLA_FLAGS level is left alone.
-LEVEL0 = "--xla_backend_optimization_level=0"
+from tests.procs import LEVEL0  # noqa: E402
+
 _own_level = "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]
 if _own_level:
     os.environ["XLA_FLAGS"] += " " + LEVEL0

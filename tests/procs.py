@@ -9,6 +9,16 @@ import subprocess
 import time
 from pathlib import Path
 
+# The optimisation level the pytest processes compile at (tests/conftest.py says why); their
+# subprocesses compile at XLA's default level unless a test gives them this one.
+LEVEL0 = "--xla_backend_optimization_level=0"
+
+
+def compile_like_this_process(env: dict) -> dict:
+    """`env` for a subprocess whose numbers a test compares bit for bit with numbers this pytest
+    process computes: XLA_FLAGS with this process's optimisation level."""
+    return dict(env, XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {LEVEL0}".strip())
+
 
 def free_port() -> int:
     """A loopback TCP port nothing listens on (the kernel's pick for port 0)."""

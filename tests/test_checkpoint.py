@@ -20,6 +20,7 @@ from toy_train import base_config, toy_trainer
 
 from dspark_jax.errors import CheckpointError
 from dspark_jax.train.checkpoint import Checkpointer, CheckpointWarning, abstract_like
+from tests.procs import compile_like_this_process
 
 HERE = Path(__file__).parent
 
@@ -126,7 +127,7 @@ def test_sigkill_then_resume_gives_a_bit_identical_loss_trajectory(tmp_path):
     from train_subprocess import kill_config
 
     run = tmp_path / "killed"
-    env = dict(os.environ)
+    env = compile_like_this_process(os.environ)  # its losses are compared bit for bit
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "train_subprocess.py"), "kill", str(run), "5"],

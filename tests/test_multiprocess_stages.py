@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.train.data import count_jsonl_rows
-from tests.procs import free_port, wait_all
+from tests.procs import compile_like_this_process, free_port, wait_all
 from tests.test_pipeline_mesh import _env, _report, one_device_run  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,15 +43,16 @@ def _one_device_engine_ids(run: Path, prompt: list[int], n: int, **knobs) -> lis
     return [int(x) for x in out.tokens]
 
 
-def _launch(script: str, args, port: int, tmp_path: Path):
+def _launch(script: str, args, port: int, tmp_path: Path, env: dict | None = None):
     """Two processes of `script` (logs in files: a pipe nobody reads fills and stalls them)."""
+    env = env or _env(2)
     procs, logs = [], []
     for i in range(2):
         cmd = [sys.executable, str(ROOT / script), *args, "--coordinator", f"127.0.0.1:{port}",
                "--num-processes", "2", "--process-id", str(i)]  # fmt: skip
         logs.append(tmp_path / f"{Path(script).stem}{i}.log")
         with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(2), stdout=log,
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
                                           stderr=subprocess.STDOUT))  # fmt: skip
     return procs, logs
 
@@ -105,7 +106,9 @@ def test_serve_on_two_processes_gives_the_one_device_tokens(request, tmp_path):
     args = ["serve", "--run-dir", str(run), "--mesh", "1,2,2", "--port", str(http),
             "--num-slots", "2", "--max-len", "128", "--policy", "fixed", "--log-level", "info",
             "--kv-layout", "paged", "--page-size", "8"]  # fmt: skip
-    procs, logs = _launch("serve.py", args, free_port(), tmp_path)
+    # compiled as the one-device engine in this process that gives the reference tokens
+    procs, logs = _launch("serve.py", args, free_port(), tmp_path,
+                          compile_like_this_process(_env(2)))  # fmt: skip
     url = f"http://127.0.0.1:{http}"
     jobs = [([5, 6, 7, 8, 9, 10], 24, dict(temperature=0.8, top_p=0.9, seed=7)),
             ([11, 12, 13], 20, dict(temperature=0.0)),
