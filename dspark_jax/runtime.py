@@ -245,7 +245,38 @@ def enable_compilation_cache(environ: Mapping[str, str] | None = None) -> Path |
     # a CPU run recompiles most
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_compilation_cache_max_size", MAX_CACHE_BYTES)
+    _scan_for_eviction_rarely()
     return d
+
+
+def _scan_for_eviction_rarely() -> None:
+    """JAX's LRU cache (0.10) sizes its whole directory before every write it makes (a stat and
+    a read of every entry, under the directory's lock that every process using the cache
+    shares): 1.15 s per compilation in a cache of 5,364 programs, as CI's was after its pytest
+    groups, while the other processes queued on the lock. The subclass below sizes the
+    directory on a process's first write, then again only once that process's writes since add
+    up to 1/16 of the limit (the cache can run past its limit by that much per writing process
+    meanwhile). Entries, access times, the lock and the eviction order stay JAX's own; a JAX
+    without that class is left alone."""
+    from jax._src import compilation_cache, lru_cache
+
+    base = getattr(lru_cache, "LRUCache", None)
+    if compilation_cache.LRUCache is not base or not hasattr(base, "_evict_if_needed"):
+        return  # another JAX, or done already
+
+    class RarelyScanningLRUCache(base):
+        _since_scan: int | None = None  # bytes this process wrote since it last sized the cache
+
+        def _evict_if_needed(self, *, additional_size: int = 0) -> None:
+            since = self._since_scan
+            if self.eviction_enabled and since is not None:
+                if since + additional_size < self.max_size // 16:
+                    self._since_scan = since + additional_size
+                    return
+            super()._evict_if_needed(additional_size=additional_size)
+            self._since_scan = additional_size
+
+    compilation_cache.LRUCache = RarelyScanningLRUCache
 
 
 _ENTRY, _ATIME = "-cache", "-atime"  # JAX's LRU cache: <key>-cache, then <key>-atime
