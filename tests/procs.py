@@ -9,15 +9,17 @@ import subprocess
 import time
 from pathlib import Path
 
-# The optimisation level the pytest processes compile at (tests/conftest.py says why); their
-# subprocesses compile at XLA's default level unless a test gives them this one.
+# The optimisation level the pytest processes compile at (tests/conftest.py says why: level 0,
+# or the caller's own XLA_FLAGS level); their subprocesses compile at XLA's default level unless
+# a test gives them this one.
 LEVEL0 = "--xla_backend_optimization_level=0"
+pytest_level = LEVEL0  # set by tests/conftest.py
 
 
 def compile_like_this_process(env: dict) -> dict:
     """`env` for a subprocess whose numbers a test compares bit for bit with numbers this pytest
     process computes: XLA_FLAGS with this process's optimisation level."""
-    return dict(env, XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {LEVEL0}".strip())
+    return dict(env, XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {pytest_level}".strip())
 
 
 def free_port() -> int:
