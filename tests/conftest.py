@@ -26,11 +26,10 @@ import re  # noqa: E402
 
 from tests import procs  # noqa: E402
 
-LEVEL0 = procs.LEVEL0
 _caller = re.search(r"--xla_backend_optimization_level=\S+", os.environ["XLA_FLAGS"])
 _own_level = _caller is None
 if _own_level:
-    os.environ["XLA_FLAGS"] += " " + LEVEL0
+    os.environ["XLA_FLAGS"] += " " + procs.LEVEL0
 else:
     procs.pytest_level = _caller.group(0)
 
@@ -38,7 +37,7 @@ import jax  # noqa: E402
 
 jax.devices()  # the backend starts and reads XLA_FLAGS (once per process)
 if _own_level:
-    os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(" " + LEVEL0, "")
+    os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(" " + procs.LEVEL0, "")
 
 # Property tests draw a fixed example sequence: CI is reproducible and a failure can be replayed.
 from hypothesis import settings  # noqa: E402
