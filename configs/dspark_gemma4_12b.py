@@ -1,5 +1,5 @@
-"""The reference's Gemma 4 target: Gemma4-12B-it (REFERENCE §0, §2.10, §8), a local checkpoint and
-your own prompts.
+"""The reference's Gemma 4 target: Gemma4-12B-it (docs/METHOD.md §0, §2.10, §8), a local
+checkpoint and your own prompts.
 
     python train.py --config configs/dspark_gemma4_12b.py \
         --set target.path=/models/gemma-4-12b-it \
@@ -12,7 +12,7 @@ which the pipeline looks up), γ = 7, 5 drafter layers (Eagle3: 1), vanilla Mark
 rendering follows the target (`Pipeline.render_config`): `<|turn>model` turns, every assistant
 content prefixed with the empty thought channel `<|channel>thought\\n<channel|>` that the loss mask
 skips, no default system prompt; `<turn|>` stops generation. The reference does not pin Gemma's
-sampling for regeneration (REFERENCE §1.2): temperature 1.0, top_p 0.95, top_k 64 here, what
+sampling for regeneration (docs/METHOD.md §1.2): temperature 1.0, top_p 0.95, top_k 64 here, what
 Google's Gemma 3 model cards recommend — check them against the checkpoint's
 generation_config.json (`--set regenerate.temperature=...`).
 

@@ -5,7 +5,7 @@
         --set data.conversation_files=/data/train.jsonl \
         --set data.eval_prompt_files=/data/gsm8k.jsonl,/data/humaneval.jsonl,/data/mt-bench.jsonl
 
-Reference defaults (REFERENCE §8): γ = 7, 5 drafter layers, target layers [1, 9, 17, 25, 33],
+Reference defaults (docs/METHOD.md §8): γ = 7, 5 drafter layers, target layers [1, 9, 17, 25, 33],
 vanilla Markov head r = 256, 512 anchors per sequence, sequences up to 4096 tokens, lr 6e-4.
 The tokenizer and chat template come from the checkpoint directory; the drafter's mask token is
 the first embedding row past the tokenizer vocabulary (151669 for Qwen3).

@@ -1,6 +1,6 @@
 """The 4B preset on a Cloud TPU v5e-256 pod slice: 64 hosts x 4 chips, 16 GiB of HBM per chip.
 
-Same models, data and schedule as `configs/qwen3_4b_dspark.py` (REFERENCE §8); only the mesh and
+Same models, data, schedule as `configs/qwen3_4b_dspark.py` (docs/METHOD.md §8); only the mesh and
 the micro-batch change. One command per host, identical on every host (`--distributed`: JAX reads
 the slice's topology and this host's index from the TPU metadata):
 

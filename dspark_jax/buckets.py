@@ -5,7 +5,8 @@ length, cache length, packed tokens) is rounded up to one of a few buckets. Each
 its own error (naming its own knob) when `n` is above the largest bucket; `bucket_up` returns
 None then.
 
-A leaf module (standard library and numpy only): spec/ and sched/ may import it (DESIGN §2).
+A leaf module (standard library and numpy only): spec/ and sched/ may import it
+(docs/ARCHITECTURE.md §2.11).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ __all__ = [
 # models/generate.py: batch sizes and prompt + new-token lengths of one generate() call.
 GENERATE_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 GENERATE_LENGTH_BUCKETS: tuple[int, ...] = tuple(2**i for i in range(4, 16))  # 16 ... 32768
-# train/: padded training sequence lengths (data.pad_to_bucket, the feature cache).
+# train/: padded training sequence lengths (data_packing.pad_to_bucket, the feature cache).
 TRAIN_SEQ_BUCKETS: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
 # engine/serving.py: prompt chunk lengths of the slot engine's prefill.
 ENGINE_PROMPT_BUCKETS: tuple[int, ...] = (32, 128, 512)

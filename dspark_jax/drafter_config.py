@@ -26,21 +26,21 @@ class DrafterConfig:
     The drafter copies the target's per-layer shapes (hidden size, heads, head dim, FFN width,
     architecture, RoPE) from `target`, overriding the layer count; it reads the target features
     of `target.target_layer_ids` (m = len of those). Embedding and LM head are frozen copies of the
-    target's (REFERENCE §0, §2.1). A Gemma 4 target gives Gemma layers in its global geometry
-    (`layer_config`, REFERENCE §2.10), the scaled embedding and its soft-capped logits.
+    target's (docs/METHOD.md §0, §2.1). A Gemma 4 target gives Gemma layers in its global geometry
+    (`layer_config`, docs/METHOD.md §2.10), the scaled embedding and its soft-capped logits.
     Hashable: a static `jax.jit` argument.
 
-    Fields (REFERENCE §0, §2–5, §8):
+    Fields (docs/METHOD.md §0, §2–5, §8):
       kind: "dspark" | "dflash" | "eagle3".
       num_layers: drafter decoder layers (5 for DSpark/DFlash; Eagle3 requires 1).
       block_size: γ, draft tokens per proposal (Eagle3: TTT horizon and proposal length).
       num_anchors: N_a anchor blocks per training sequence (DSpark/DFlash).
       mask_token_id: token id of the γ-1 mask slots; must be a row of the target embedding.
       markov_rank: r of the sequential head; 0 = no head (DFlash).
-      markov_head_type: "vanilla" | "gated" | "rnn" (REFERENCE §3.1–3.3).
-      confidence_head: add the confidence head σ(w·[z; W1[x_prev]] + b) (REFERENCE §3.5).
+      markov_head_type: "vanilla" | "gated" | "rnn" (docs/METHOD.md §3.1–3.3).
+      confidence_head: add the confidence head σ(w·[z; W1[x_prev]] + b) (docs/METHOD.md §3.5).
       confidence_with_markov: the confidence input includes the Markov embedding W1[x_prev].
-      ce_alpha, l1_alpha, conf_alpha: loss weights α (REFERENCE §4.2); l1 is the full L1 (=2·TV).
+      ce_alpha, l1_alpha, conf_alpha: loss weights α (docs/METHOD.md §4.2); l1 is full L1 (=2·TV).
       loss_decay_gamma: position weights exp(-k/g), k = 0..γ-1 (code default g = 4). None selects
         the paper's variant exp(-(k-1)/γ) (1-indexed), i.e. g = block_size.
       step_loss_decay: Eagle3 TTT step weight base (0.8^k).
@@ -95,8 +95,8 @@ class DrafterConfig:
         if self.kind == "eagle3":
             if self.num_layers != 1:
                 raise ConfigError(
-                    f"Eagle3 has exactly one decoder layer (its inference extends the cache "
-                    f"without a causal mask, REFERENCE §9.15); got num_layers={self.num_layers}"
+                    f"Eagle3 has exactly one decoder layer (docs/METHOD.md §5.1); "
+                    f"got num_layers={self.num_layers}"
                 )
             if self.markov_rank or self.confidence_head:
                 raise ConfigError(
@@ -156,7 +156,7 @@ class DrafterConfig:
     def layer_config(self) -> TargetConfig:
         """The target config with the drafter's dtype: per-layer shapes of every draft layer.
 
-        Gemma 4 target (REFERENCE §0, §2.10): its text config with every layer full attention
+        Gemma 4 target (docs/METHOD.md §0, §2.10): its text config with every layer full attention
         (the global layers' head size, K/V heads, K = V and RoPE), no KV-shared layers, no
         mixture of experts, no per-layer inputs, untied; at least as many layers as the drafter
         has (the target's feature layers stay valid)."""
@@ -182,7 +182,7 @@ class DrafterConfig:
     @property
     def logit_softcap(self) -> float | None:
         """The target's final-logit soft-cap c (Gemma 4; None: none): c·tanh(logits / c) on the
-        draft logits and on the target logits the losses recompute (REFERENCE §1.4, §2.10)."""
+        draft logits and on the target logits the losses recompute (docs/METHOD.md §1.4, §2.10)."""
         g = self.target.gemma
         return None if g is None else g.final_logit_softcapping
 
@@ -197,7 +197,7 @@ class DrafterConfig:
     @classmethod
     def dspark(cls, target: TargetConfig, **kw) -> DrafterConfig:
         """DSpark preset: 5 layers, γ=7, vanilla Markov r=256, confidence with Markov,
-        α = (0.1, 0.9, 1.0), g = 4 (REFERENCE §8)."""
+        α = (0.1, 0.9, 1.0), g = 4 (docs/METHOD.md §8)."""
         return cls(target=target, kind="dspark", **kw)
 
     @classmethod

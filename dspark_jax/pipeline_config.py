@@ -89,7 +89,7 @@ class TargetStage:
 
 @dataclasses.dataclass(frozen=True)
 class RegenerateStage:
-    """The target answers every training prompt itself (REFERENCE §1.2)."""
+    """The target answers every training prompt itself (docs/METHOD.md §1.2)."""
 
     temperature: float = 0.7
     top_p: float = 0.8

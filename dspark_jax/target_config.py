@@ -91,7 +91,7 @@ class TargetConfig(ConfigMethods):
     qwen2 has q/k/v bias, llama has neither (and may carry llama3 RoPE scaling); gemma4 is
     `models/gemma4.py`, its specifics in `gemma`.
     `target_layer_ids` are the decoder layers whose raw outputs (residual stream after the block,
-    before the final norm) are concatenated into the drafter's features (REFERENCE §1.4).
+    before the final norm) are concatenated into the drafter's features (docs/METHOD.md §1.4).
     """
 
     architecture: str = "qwen3"
@@ -135,7 +135,7 @@ class TargetConfig(ConfigMethods):
             if not 0 <= i < self.num_layers - 1:
                 raise ConfigError(
                     f"target_layer_ids {self.target_layer_ids} must lie in [0, {self.num_layers - 2}]"
-                    " (the final layer is never a feature layer, REFERENCE §1.4)"
+                    " (the final layer is never a feature layer, docs/METHOD.md §1.4)"
                 )
 
     @property

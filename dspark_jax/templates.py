@@ -1,7 +1,7 @@
 """Chat templates, read by training and by serving alike: the ChatML template of the tokenizers
 we train, rendering conversations with a tokenizer's template and the assistant spans the loss
-covers (REFERENCE §1.3: from after the assistant header to and including the end-of-turn string),
-and generation prompts (REFERENCE §6.1).
+covers (docs/METHOD.md §1.3: from after the assistant header through the end-of-turn string),
+and generation prompts (docs/METHOD.md §6.1).
 
 Conversations and messages are duck-typed (`train.data.Conversation` / `Message` or anything with
 `as_dicts()` / `role` and `content`), so this module needs nothing but numpy.
@@ -26,15 +26,15 @@ CHAT_TEMPLATE = (
 
 
 # ------------------------------------------------------------------------------------------------
-# Rendering and the supervised spans (REFERENCE §1.3)
+# Rendering and the supervised spans (docs/METHOD.md §1.3)
 
 
 @dataclasses.dataclass(frozen=True)
 class RenderConfig:
     """How conversations become training sequences.
 
-    max_length: right-truncation length in tokens (REFERENCE: 4096; the tiny demo uses 256–512).
-    min_loss_tokens: samples with fewer supervised tokens are dropped (REFERENCE: 14).
+    max_length: right-truncation length in tokens (docs/METHOD.md §1.3: 4096; the demo: 256–512).
+    min_loss_tokens: samples with fewer supervised tokens are dropped (docs/METHOD.md §1.3: 14).
     enable_thinking: passed to the chat template; ``None`` passes nothing (template default).
     default_system_prompt: inserted when a conversation has no system message (Qwen3 reference:
         "You are a helpful assistant."; our tiny tokenizer: none).
@@ -154,7 +154,7 @@ def _as_messages(prompt: str | Sequence[Any]) -> list[dict[str, str]]:
 def format_prompt(
     tokenizer: Any, prompt: str | Sequence[Any], *, enable_thinking: bool | None = False
 ) -> str:
-    """Generation prompt text (REFERENCE §6.1): the chat template over one user message (or a
+    """Generation prompt text (docs/METHOD.md §6.1): the chat template over one user message (or a
     running message list ending in a user turn, for multi-turn), `add_generation_prompt=True`,
     no system prompt added."""
     return tokenizer.apply_chat_template(

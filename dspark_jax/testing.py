@@ -132,7 +132,7 @@ def tiny_tokenizer(cache_dir: str | os.PathLike, vocab_size: int = 512) -> Any:
 
 
 # Gemma 4's chat format in small: `<|turn>{role}\n{content}<turn|>\n` per message, the assistant's
-# role named "model", generation prompt `<|turn>model\n` (REFERENCE §1.3).
+# role named "model", generation prompt `<|turn>model\n` (docs/METHOD.md §1.3).
 GEMMA4_STYLE_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"

@@ -15,17 +15,17 @@ MEMORY_CHECKS = ("auto", "estimate", "compiled", "off")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(ConfigMethods):
-    """Drafter training (REFERENCE §1.5, §4.3, §8). Hashable: a static `jax.jit` argument.
+    """Drafter training (docs/METHOD.md §1.5, §4.3, §8). Hashable: a static `jax.jit` argument.
 
     Optimizer: AdamW(b1, b2, eps, weight_decay) on fp32 master weights of the trainable
     parameters only, global-norm clipping `grad_clip_norm` (0 = off), learning rate warmed up
-    linearly over W = int(warmup_ratio * S) updates then cosine to 0 at S (REFERENCE §8):
+    linearly over W = int(warmup_ratio * S) updates then cosine to 0 at S (docs/METHOD.md §8):
     update s uses lr·(s+1)/W for s < W, lr·½(1 + cos(π(s−W)/(S−W))) after.
     S = `total_steps`, or `num_epochs * steps_per_epoch` when it is 0.
 
     Batching: one optimizer step takes `global_batch_size` sequences as micro-batches of
     `micro_batch_size` (over all devices); the gradient is the equal-weight mean of the
-    micro-batch losses' gradients, accumulated in fp32 (REFERENCE §4.3). Sequences are right-padded
+    micro-batch losses' gradients, summed in fp32 (docs/METHOD.md §4.3). Sequences are right-padded
     to the smallest of `seq_buckets` that fits the micro-batch; one compilation per bucket.
     `compute_dtype` is the dtype the drafter runs in ("bfloat16", "float32", or "auto": bfloat16
     on GPU/TPU, float32 on CPU); master weights, gradient accumulators and Adam state stay fp32.

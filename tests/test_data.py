@@ -1,4 +1,4 @@
-"""Data layer: readers and their errors, role mapping, loss mask (REFERENCE §1.3), batching,
+"""Data layer: readers and their errors, role mapping, loss mask (docs/METHOD.md §1.3), batching,
 prompt formatting and atomic writing."""
 
 import json

@@ -1,5 +1,5 @@
 """Loading released DeepSeek drafter checkpoints: synthetic safetensors with the reference names
-(REFERENCE §2.1, §3, §5.1) and tiny shapes, plus every error a bad checkpoint can raise."""
+(docs/METHOD.md §2.1, §3, §5.1) and tiny shapes, plus every error a bad checkpoint can raise."""
 
 import json
 import os
@@ -252,7 +252,7 @@ def test_missing_files_and_unknown_target(tmp_path):
 
 
 def _torch_dspark_block(w, feats, ids, a, g, mask_id, theta=1e6, eps=1e-6):
-    """A from-scratch PyTorch DSpark block (REFERENCE §2.2–2.4, §3.1, §3.5) for one anchor:
+    """A from-scratch PyTorch DSpark block (docs/METHOD.md §2.2–2.4, §3.1, §3.5) for one anchor:
     HF weight layout, "rotate half" RoPE, GQA by repeat_interleave."""
     import torch
 

@@ -116,7 +116,7 @@ def test_attend_equals_one_softmax_per_query_in_both_layouts(t):
 
 
 # ---------------------------------------------------------------------------------------------
-# anchor-bounded attention (REFERENCE §2.5): exact zeros in the gradient
+# anchor-bounded attention (docs/METHOD.md §2.5): exact zeros in the gradient
 
 
 def test_block_gradients_are_anchor_bounded(target, batch):

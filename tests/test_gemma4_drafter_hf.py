@@ -1,4 +1,4 @@
-"""The reference's released Gemma 4 drafter checkpoint format (issue 41 item 4; REFERENCE §2.10,
+"""The reference's Gemma 4 drafter checkpoint format (issue 41 item 4; docs/METHOD.md §2.10,
 §5.1, §8): config.json is a copy of the target's *text* config (every layer full attention, the
 drafter's layer count, untied) plus the DSpark / Eagle3 fields; tensor names are the HF Gemma 4
 decoder layers' module paths (no v_proj when K = V, the `layer_scalar` buffer) plus fc,

@@ -1,4 +1,4 @@
-"""Drafters for Gemma 4 targets (issue 41 item 4, REFERENCE §0, §2.10, §5.1).
+"""Drafters for Gemma 4 targets (issue 41 item 4, docs/METHOD.md §0, §2.10, §5.1).
 
 On the tiny Gemma 4 target of `tests/test_gemma4_engine.py` (sliding and global layers, K = V,
 KV-shared layers, per-layer inputs, experts, soft-capped logits): the three drafter kinds take

@@ -37,14 +37,14 @@ def target():
 
 def test_position_weights_code_and_paper_variants():
     c = tiny_drafter_config(block_size=7)
-    want = [1, 0.7788, 0.6065, 0.4724, 0.3679, 0.2865, 0.2231]  # REFERENCE §4.1
+    want = [1, 0.7788, 0.6065, 0.4724, 0.3679, 0.2865, 0.2231]  # docs/METHOD.md §4.1
     np.testing.assert_allclose(position_weights(c), want, atol=1e-4)
     paper = c.replace(loss_decay_gamma=None)  # exp(-(k-1)/γ), 1-indexed
     np.testing.assert_allclose(position_weights(paper), np.exp(-np.arange(7) / 7), rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
-# anchors (REFERENCE §2.7–2.8)
+# anchors (docs/METHOD.md §2.7–2.8)
 
 
 def test_anchor_sampling_is_uniform_sorted_without_replacement():
@@ -103,7 +103,7 @@ def test_make_blocks_matches_reference():
 
 
 # ---------------------------------------------------------------------------------------------
-# the DSpark loss terms (REFERENCE §4)
+# the DSpark loss terms (docs/METHOD.md §4)
 
 
 def _softmax(x):
@@ -297,7 +297,7 @@ def test_eagle3_loss_weights_shift_and_normalization(target):
 
 
 def test_eagle3_loss_is_a_mean_over_sequences_of_per_sequence_losses(target):
-    """REFERENCE §5.2: each sequence's loss is normalised by its own length, then sequences are
+    """docs/METHOD.md §5.2: each sequence's loss is normalised by its own length, then sequences are
     averaged with equal weight (a short sequence weighs as much as a long one)."""
     cfg = tiny_drafter_config("eagle3", target=target[0])
     params = api.init_params(cfg, seed=3, target_params=target[1])
@@ -312,7 +312,7 @@ def test_eagle3_loss_is_a_mean_over_sequences_of_per_sequence_losses(target):
 
 
 def test_training_tau_is_the_mean_of_per_block_survival_products(target):
-    """The best-checkpoint criterion (`tau`, REFERENCE §4.5 tau_probabilistic) averages per-block
+    """The best-checkpoint metric `tau` (docs/METHOD.md §4.5 tau_probabilistic) averages per-block
     survival products; the product of per-position means (`sim_tau`) differs from it."""
     from dspark_jax.pipeline_config import DrafterStage
     from dspark_jax.spec.metrics import simulated_tau as product_of_means

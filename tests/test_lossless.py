@@ -1,4 +1,4 @@
-"""Losslessness, tested by distribution (DESIGN §5) - and shown able to fail.
+"""Losslessness, tested by distribution (docs/ARCHITECTURE.md §5) - and shown able to fail.
 
 1. Exact enumeration of one round on tiny vocabularies: the law of (round output + target
    continuation) equals the target's joint law, TV <= 1e-6, for greedy / temperature / top-k /

@@ -194,7 +194,7 @@ def test_4b_preset_fits_8xh100_and_the_old_numbers_do_not():
 
 
 def test_gemma4_12b_preset_has_the_reference_settings_on_8xh100():
-    """configs/dspark_gemma4_12b.py: the reference's Gemma4-12B-it settings (REFERENCE §0, §8) on
+    """configs/dspark_gemma4_12b.py: the reference's Gemma4-12B settings (docs/METHOD.md §0, §8) on
     the 8-device slice, and its memory plan for the 12B text config fits 80 GB for every
     drafter."""
     import configs.dspark_gemma4_12b as preset

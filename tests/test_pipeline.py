@@ -358,7 +358,7 @@ def test_gemma4_preset_on_tiny_hf_checkpoint(tmp_path):
 
 
 class _GemmaLikeVocab:
-    """What RunDir reads of a Gemma tokenizer: `<mask>` at 4 (REFERENCE §0), an end-of-turn
+    """What RunDir reads of a Gemma tokenizer: `<mask>` at 4 (docs/METHOD.md §0), an end-of-turn
     `<turn|>` (its id here is made up), `<eos>`, and no spare embedding row."""
 
     unk_token_id, eos_token_id = 3, 1

@@ -403,7 +403,8 @@ def test_sts_positions_without_data_and_serialisation(tmp_path):
 
 def test_pure_packages_import_no_model_code():
     """spec/ and sched/ depend on jax, numpy, the standard library and the leaves io.py /
-    errors.py / buckets.py / sampling_knobs.py (stdlib and numpy only) only (DESIGN §2)."""
+    errors.py / buckets.py / sampling_knobs.py (stdlib and numpy only) only
+    (docs/ARCHITECTURE.md §2.11)."""
     root = pathlib.Path(__file__).resolve().parents[1] / "dspark_jax"
     allowed = {"jax", "numpy"} | set(sys.stdlib_module_names)
     leaves = ("io", "errors", "buckets", "sampling_knobs")

@@ -386,8 +386,8 @@ def test_real_drafters_train_a_few_steps(tmp_path, kind):
 
 
 def _check_best_checkpoint_names_its_target(run_dir, t, tcfg, dcfg):
-    """DESIGN §3: a drafter checkpoint carries the target it was trained for (name, layer ids,
-    vocabulary hash); loading it for another target fails with one clear error."""
+    """A drafter checkpoint carries the target it was trained for (name, layer ids, vocabulary hash;
+    docs/ARCHITECTURE.md §3.5); loading it for another target fails with one clear error."""
     side = json.loads((run_dir / "config.json").read_text())
     assert side["trained_for"]["name"] == "tiny"
     assert side["trained_for"]["vocab_hash"] == "0123abcd"

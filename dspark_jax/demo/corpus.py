@@ -1,4 +1,4 @@
-"""The embedded demo corpus: chats built from text every Python install carries (DESIGN §6).
+"""The embedded demo corpus (docs/ARCHITECTURE.md §8): chats from text every Python install carries.
 
 Three domains, each split into training conversations and a held-out prompt set with no overlap:
 

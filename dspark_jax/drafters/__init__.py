@@ -6,8 +6,8 @@ Parameters (`DrafterParams`, a NamedTuple of two `nnx.State`s):
   * `trainable` — every `nnx.Param`: fc, hidden_norm, layers.*, norm, markov_head.*,
     confidence_head.* (Eagle3: fc, layers.0.*, norm). The optimizer sees only this.
   * `frozen` — the `FrozenParam` leaves `embed_tokens` [V, H] and `lm_head` [H, V] (kernel layout,
-    [in, out]): frozen copies of the target's embedding and output head (REFERENCE §2.1). Build it
-    with `frozen_from_target(cfg, target_params)`; it is never differentiated or updated.
+    [in, out]): frozen copies of the target's embedding and output head (docs/METHOD.md §2.1). Build
+    it with `frozen_from_target(cfg, target_params)`; it is never differentiated or updated.
   Split a built module yourself with `nnx.split(module, nnx.Param, FrozenParam)`.
 
 Training (pure): `dspark_jax.train.losses.loss_fn(cfg, trainable, frozen, batch, rng)` is the
@@ -15,10 +15,10 @@ one entry point (anchor sampling, labels, target logits, loss, metrics). Its pie
   * DSpark/DFlash (`dspark.py`): `BlockDrafter.context_kv(features, positions)` once per
     sequence (per layer K/V [B, n_kv, T, d_h], heads-first like every cache), then
     `BlockDrafter.blocks(ctx_kv, anchors, keep, block_ids, positions)` -> z [B, N_a, γ, H] for
-    N_a anchor blocks at once (anchor-bounded packing, REFERENCE §2.5), then
+    N_a anchor blocks at once (anchor-bounded packing, docs/METHOD.md §2.5), then
     `dspark.teacher_forced(model, z, prev_ids)` -> corrected logits and confidence logits.
   * Eagle3: `eagle3.ttt_hidden(model, features, input_ids, valid_len)` -> the γ steps of the
-    training-time test (REFERENCE §5.2); logits = `model.logits(g)`.
+    training-time test (docs/METHOD.md §5.2); logits = `model.logits(g)`.
   Get the module with `build(cfg, params)`.
 
 Inference (pure, jit-able; `cfg` and `scfg` static, everything else arrays):

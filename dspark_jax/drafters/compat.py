@@ -5,7 +5,7 @@
 
 Used by the trainer (before anything is written), the run directory's drafter loader, the HF
 drafter loader and the engines. A drafter checkpoint records the target it was trained for as a
-`TargetId` (DESIGN §3: name, feature layer ids, vocabulary hash, and the shapes the drafter copies);
+`TargetId` (docs/ARCHITECTURE.md §3.5: name, feature layer ids, vocabulary hash, the copied shapes);
 loading it for another target raises one `ConfigError` naming every difference and the fix (a
 different name alone only logs a warning: a renamed copy of the same checkpoint still fits).
 

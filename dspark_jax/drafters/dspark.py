@@ -1,4 +1,4 @@
-"""DSpark and DFlash: the block drafter (REFERENCE §2) and DSpark's sequential heads (§3).
+"""DSpark and DFlash: the block drafter (docs/METHOD.md §2) and DSpark's sequential heads (§3).
 
 Backbone (`BlockDrafter`; DFlash is this module without heads). Context: C = hidden_norm(fc(F))
 [B, L, H] from the concatenated target features F [B, L, m·H]; the same C feeds every layer's
@@ -17,7 +17,7 @@ tokens are the ground truth, prev[j] = [x_a, x_{a+1}, …, x_{a+γ−1}], all sl
 a γ-step scan). Inference (`propose_block`): the backbone runs once per block, then a `lax.scan`
 over the γ slots samples left to right — slot 0's previous token is the anchor, slot k's is the
 token just drawn at slot k−1 — recording the exact distribution (after the sampling transform)
-each token was drawn from (REFERENCE §3.4).
+each token was drawn from (docs/METHOD.md §3.4).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class BlockDrafter(nnx.Module):
     def blocks_from_embeddings(self, ctx_kv, ctx_len_BxN, keep_BxN, x_BxNxGxH, pos_BxNxG):
         """`blocks` on input embeddings [B, N, G, H] (differentiable inputs, for tests).
 
-        Anchor-bounded block attention (REFERENCE §2.5): query slot g of block n sees context
+        Anchor-bounded block attention (docs/METHOD.md §2.5): query slot g of block n sees context
         entries κ < ctx_len[b, n] and every slot of its own block (bidirectional), nothing
         else; blocks with keep = False see nothing (their rows are 0, with zero gradient). One
         `attend` over two sets: the context (every block reads it) and the block's own slots
@@ -127,7 +127,7 @@ class BlockDrafter(nnx.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# inference context cache (REFERENCE §2.9)
+# inference context cache (docs/METHOD.md §2.9)
 
 
 class BlockContext(NamedTuple):

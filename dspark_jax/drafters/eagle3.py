@@ -1,4 +1,4 @@
-"""Eagle3 baseline (REFERENCE §5): one decoder layer over fused target features, trained with
+"""Eagle3 baseline (docs/METHOD.md §5): one decoder layer over fused target features, trained with
 the training-time test (TTT) over γ steps, run autoregressively at inference.
 
 Layer (pre-norm residual stream g [.., H]):
@@ -65,7 +65,7 @@ class Eagle3Layer(nnx.Module):
 
 
 class Eagle3GemmaLayer(Gemma4Layer):
-    """The Eagle3 layer for a Gemma 4 target (REFERENCE §2.10, §5.1): a `Gemma4Layer` of the
+    """The Eagle3 layer for a Gemma 4 target (docs/METHOD.md §2.10, §5.1): a `Gemma4Layer` of the
     drafter's layer config (global geometry, value norm, scale 1, sandwich norms, GELU MLP,
     layer scalar) whose attention reads [input_layernorm(emb); hidden_norm(g)] [.., 2H]."""
 
@@ -106,7 +106,7 @@ class Eagle3Drafter(nnx.Module):
 
 
 def ttt_hidden(model: Eagle3Drafter, features_BxTxF, input_ids_BxT, valid_len_B):
-    """Training-time test (REFERENCE §5.2): per step k = 0..γ−1 the pre-norm output g^{k+1}
+    """Training-time test (docs/METHOD.md §5.2): per step k = 0..γ−1 the pre-norm output g^{k+1}
     [γ, B, T, H].
 
     Step k: token x_{t+k+1}, RoPE position t+k, hidden g^k (g^0 = fc(F)). Query t attends the
@@ -147,7 +147,7 @@ def ttt_hidden(model: Eagle3Drafter, features_BxTxF, input_ids_BxT, valid_len_B)
 
 
 # ---------------------------------------------------------------------------------------------
-# inference (REFERENCE §5.3)
+# inference (docs/METHOD.md §5.3)
 
 
 class Eagle3Context(NamedTuple):

@@ -1,4 +1,4 @@
-"""DSpark's sequential heads (REFERENCE §3): Markov bias B_k added to the backbone logits U_k,
+"""DSpark's sequential heads (docs/METHOD.md §3): Markov bias B_k added to the backbone logits U_k,
 and the confidence head ρ_k.
 
 Every head reads, per draft slot k, the previous token x_{k-1} (slot 0: the anchor) and the
@@ -8,7 +8,7 @@ normed backbone output z_k [H]:
   rnn      ζ = [s_k; e; z];  (g̃, c̃, õ) = split(joint_proj(ζ));  s_{k+1} = σ(g̃) s_k + (1 − σ(g̃))
            tanh(c̃);  B = W2 tanh(õ)   (s_0 = 0 per block; B uses the old state via ζ)
   confidence  ρ = proj([z; e]) + b  (or proj(z) without the Markov input), fp32 out; its
-           gradient flows into the backbone and W1 (no stop-gradient, REFERENCE §9.3).
+           gradient flows into the backbone and W1 (no stop-gradient, docs/METHOD.md §3.5).
 `markov_w1` is an embedding table [V, r]; `markov_w2` a Linear r -> V (kernel [r, V], the
 transpose of the Hugging Face weight [V, r]).
 """
@@ -91,7 +91,7 @@ class MarkovHead(nnx.Module):
 
 
 class ConfidenceHead(nnx.Module):
-    """ρ = proj([z; W1[x_prev]]) with bias (REFERENCE §3.5); proj(z) without the Markov input."""
+    """ρ = proj([z; W1[x_prev]]) with bias (docs/METHOD.md §3.5); proj(z) without Markov input."""
 
     def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
         dt = dtype_of(cfg.dtype)

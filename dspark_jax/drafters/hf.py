@@ -5,7 +5,7 @@
 
 config.json is a copy of the target's (Gemma 4: its *text* config) with the drafter's layer count,
 every layer full attention, untied, plus the DSpark / Eagle3 fields. Names are the PyTorch module
-paths of the reference drafters, without a "model." prefix (REFERENCE §2.1, §2.10, §3, §5.1).
+paths of the reference drafters, without a "model." prefix (docs/METHOD.md §2.1, §2.10, §3, §5.1).
 Linear weights are [out, in] there and [in, out] (`kernel`) here, so they are transposed;
 embeddings, the Markov table W1, norms and the layer scalar are not:
 

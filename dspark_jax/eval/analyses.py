@@ -8,7 +8,7 @@ returns plain dicts (JSON); `markdown_*` render them as tables, `plot_*` as PNGs
   within each dataset (1000 draws), and paired intervals of the relative gains between drafters
   (the same resampled prompts for both, since every drafter decoded the same prompts).
 * `threshold_sweep` (paper Fig. 5): the static threshold θ on the raw confidence c_k = σ(ρ_k)
-  (REFERENCE §6.4). Replayed on the fixed-γ rounds: a round truncated to n ≤ γ drafts accepts
+  (docs/METHOD.md §6.4). Replayed on the fixed-γ rounds: a round truncated to n ≤ γ drafts accepts
   min(A, n) of them (chain verification accepts draft k from the same draws whatever follows),
   so τ and the verify rate τ / (n + 1) per θ are exact per round; only later rounds' contexts
   differ from a live run.
@@ -132,7 +132,7 @@ def markdown_bootstrap(boot: dict, table: dict) -> list[str]:
 
 def threshold_sweep(results_by_dataset: dict[str, list], thetas=THETAS) -> dict:
     """Per dataset and pooled: τ and verify rate when each round verifies the leading drafts whose
-    raw confidence σ(ρ_k) ≥ θ (REFERENCE §6.4), replayed on the fixed-γ rounds."""
+    raw confidence σ(ρ_k) ≥ θ (docs/METHOD.md §6.4), replayed on the fixed-γ rounds."""
     out: dict = {"thetas": list(thetas), "datasets": {}}
     pooled = {"a": [], "n": [], "e": [], "c": []}
     for ds, res in results_by_dataset.items():

@@ -1,4 +1,4 @@
-"""Offline evaluation: τ tables, per-position acceptance, calibration data, speed (REFERENCE §6).
+"""Offline evaluation (docs/METHOD.md §6): τ tables, acceptance per slot, calibration data, speed.
 
 Chain speculative decoding with a fixed block (scheduler off, paper Table 1 setting), temperature
 1.0 by default, each prompt with its own fixed seed (`seed + index`). For every drafter and
@@ -89,7 +89,7 @@ def _f(x):
 
 
 def calibration_pairs(results: list[RequestOutput], gamma: int):
-    """(conf_logits [N, γ], A [N], n [N]) of the rounds with n ≥ 1 (REFERENCE §6.5 inputs)."""
+    """(conf_logits [N, γ], A [N], n [N]) of the rounds with n ≥ 1 (docs/METHOD.md §6.5 inputs)."""
     rho, a, n = [], [], []
     for r in results:
         for c, ai, ni in zip(r.conf_logits, r.num_accepted, r.proposed):

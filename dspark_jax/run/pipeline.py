@@ -164,7 +164,8 @@ class Pipeline(StagedRun):
                 got, stats = read_tfds(name, split=split, kind="auto", field=field,
                                        data_dir=c.data.tfds_data_dir or None, shard=shard)  # fmt: skip
             else:
-                # a sample's own system prompt is kept (REFERENCE §1.3); see default_system_prompt
+                # a sample's own system prompt is kept (docs/METHOD.md §1.3);
+                # see default_system_prompt
                 got, stats = read_conversations(p, keep_system=True, shard=shard)
             self.log(f"  {stats.summary()}")
             out.append(got)
@@ -282,7 +283,7 @@ class Pipeline(StagedRun):
         return out
 
     def render_config(self, **kw) -> RenderConfig:
-        """How the drafters' training conversations are rendered (REFERENCE §1.3), by the target:
+        """How drafters' training conversations are rendered (docs/METHOD.md §1.3), by the target:
         a Qwen checkpoint inserts the default system prompt "You are a helpful assistant.", a
         Gemma 4 checkpoint renders `<|turn>model` turns whose empty thought channel the loss
         skips; the embedded demo's ChatML tokenizer has neither (`RenderConfig.for_target`)."""

@@ -1,5 +1,5 @@
 """The regenerate stage of `train.py`'s pipeline (`Pipeline._stage_regenerate` delegates here):
-the target answers the training prompts (REFERENCE §1.2), so the drafters learn the target's own
+the target answers the training prompts (docs/METHOD.md §1.2), so drafters learn the target's own
 outputs. Each function takes the `Pipeline` (`p`) for its config, loaders and log.
 """
 
@@ -58,7 +58,7 @@ def run_regenerate(p) -> dict:
         pos = [q for q in range(lo, min(lo + shard, len(order))) if int(order[q]) in requests]
         got = [requests[int(order[q])] for q in pos]
         chunk = [t for _, t in got]
-        # the sample's own system message is sent with every turn (REFERENCE §1.2)
+        # the sample's own system message is sent with every turn (docs/METHOD.md §1.2)
         msgs = [[{"role": "system", "content": sys_}] if sys_ else [] for sys_, _ in got]
         max_turns = max((len(t) for t in chunk), default=0)
         for turn in range(max_turns):  # multi-turn prompts answered turn by turn

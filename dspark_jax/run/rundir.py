@@ -134,7 +134,7 @@ class RunDir:
 
     def mask_token_id(self, tcfg: TargetConfig) -> int:
         tok = self.tokenizer()
-        for name in ("<|mask|>", "<mask>"):  # ours; Gemma's (id 4, REFERENCE §0)
+        for name in ("<|mask|>", "<mask>"):  # ours; Gemma's (id 4, docs/METHOD.md §0)
             i = tok.convert_tokens_to_ids(name)
             if isinstance(i, int) and i >= 0 and i != tok.unk_token_id:
                 return i

@@ -9,7 +9,7 @@ optional cap ``max_len [..., R]`` (slots ``>= max_len`` are never admitted).
 Policies (one interface, :class:`Policy`):
 
 * :class:`FixedGamma` - every request verifies ``gamma`` drafts (MTP-1 is ``gamma=1``).
-* :class:`StaticThreshold` - REFERENCE §6.4: truncate at the first slot whose own ``c_k < theta``.
+* :class:`StaticThreshold` - docs/METHOD.md §6.4: cut at the first slot whose own ``c_k < theta``.
 * :class:`CausalGreedy` - paper Algorithm 1. Survivals ``a_{r,j} = prod_{i<=j} c_{r,i}``; sort all
   ``(r, j)`` with ``a > 0`` by ``a`` descending (ties: smaller ``j`` first, then smaller ``r``);
   from ``lengths = 0`` (each request verifies its anchor: ``tau* = R``) admit candidates in order
@@ -91,7 +91,7 @@ def fixed_lengths(conf, gamma: int, max_len=None) -> np.ndarray:
 
 
 def threshold_lengths(conf, theta: float, max_len=None) -> np.ndarray:
-    """Number of leading slots whose own confidence is ``>= theta`` (REFERENCE §6.4)."""
+    """Number of leading slots whose own confidence is ``>= theta`` (docs/METHOD.md §6.4)."""
     keep = _conf(conf, max_len) >= theta
     if max_len is not None:
         keep &= np.arange(keep.shape[-1]) < np.asarray(max_len)[..., None]

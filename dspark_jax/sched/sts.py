@@ -1,9 +1,9 @@
 """Sequential Temperature Scaling (STS): per-position temperatures for confidence logits.
 
-REFERENCE §7. Calibrated confidence ``c~_k = sigmoid(rho_k / tau_k)``, one scalar ``tau_k > 0`` per
+docs/METHOD.md §7.1. Calibrated confidence ``c~_k = sigmoid(rho_k / tau_k)``, one ``tau_k > 0`` per
 position ``k = 1..gamma``. Fitting goes left to right on held-out rounds decoded without
 truncation: with ``tau_1..tau_{k-1}`` frozen, ``tau_k`` is the grid value minimising the ECE
-(20 bins, REFERENCE §6.5) of the cumulative product ``prod_{i<=k} c~_i`` against the prefix label
+(20 bins, docs/METHOD.md §6.5) of the cumulative product ``prod_{i<=k} c~_i`` against the label
 ``y_k = 1[A >= k]`` over rounds whose proposal covers position ``k``. Ties go to the grid value
 closest to 1; a position with no data keeps ``tau = 1``.
 
@@ -119,7 +119,7 @@ def fit_sts(
       num_accepted, proposal_len: ``[N]`` ``A`` and ``n`` of each round (decoded with no
         truncation, so ``n`` is normally ``gamma``).
       grid: candidate temperatures (default :func:`default_grid`).
-      n_bins: ECE bins (20 as in REFERENCE §6.5).
+      n_bins: ECE bins (20 as in docs/METHOD.md §6.5).
       chunk: grid values evaluated at once (memory ``chunk x N`` floats).
     """
     rho = np.asarray(conf_logits, np.float64)

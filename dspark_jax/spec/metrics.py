@@ -5,16 +5,16 @@ Inputs are per-round records, one entry per verification round:
 * ``num_accepted`` ``[N]``: ``A``, drafts accepted in the round (``0..n``);
 * ``proposal_len`` ``[N]``: ``n``, drafts verified in the round (after truncation/scheduling);
 * ``eos`` ``[N]`` (optional): the round ended the request on an accepted stop token, so it
-  emitted ``A`` tokens and no bonus (REFERENCE §6.2 step 5); otherwise it emitted ``A + 1``.
+  emitted ``A`` tokens and no bonus (docs/METHOD.md §6.2 step 5); otherwise it emitted ``A + 1``.
 
-Two different per-position curves, named apart on purpose (REFERENCE §6.3):
+Two different per-position curves, named apart on purpose (docs/METHOD.md §6.3):
 
 * ``conditional_acceptance[k-1]`` (paper Fig. 2), 1-indexed position ``k``:
   ``#(A >= k) / #(A >= k-1 and n >= k)``;
 * ``prefix_survival[k-1]`` (the reference code's ``accept_rate@(k-1)``):
   ``#(A >= k) / #(n >= k)``.
 
-Reliability of confidences (REFERENCE §6.5): for rounds with ``n >= 1`` and positions
+Reliability of confidences (docs/METHOD.md §6.5): for rounds with ``n >= 1`` and positions
 ``k <= n``, ``pred_k = prod_{i<=k} sigmoid(rho_i)`` (float64, clipped to ``[1e-8, 1-1e-8]``)
 against ``y_k = 1[A >= k]``; ECE over 20 equal-width bins, AUROC from 1000-bin histograms with
 same-bin pairs counted 1/2, Brier score; the summary over positions is count-weighted.
@@ -246,7 +246,7 @@ def reliability(pred, labels, valid, *, ece_bins: int = 20, auroc_bins: int = 10
 def reliability_from_logits(
     conf_logits, num_accepted, proposal_len, *, temperatures=None, **kwargs
 ) -> Reliability:
-    """REFERENCE §6.5 from per-round confidence logits ``rho [N, gamma]`` and ``(A, n)``.
+    """docs/METHOD.md §6.5 from per-round confidence logits ``rho [N, gamma]`` and ``(A, n)``.
 
     ``temperatures`` (``[gamma]``, e.g. ``STS.temperatures``) divides ``rho`` first."""
     rho = np.asarray(conf_logits, np.float64)
@@ -261,7 +261,7 @@ def reliability_from_logits(
 
 
 def block_tau(accept_BxG, mask_BxG=None):
-    """τ = 1 + Σ_k Π_{i≤k} a_i·mask_i per block [B] (REFERENCE §4.5) from per-position
+    """τ = 1 + Σ_k Π_{i≤k} a_i·mask_i per block [B] (docs/METHOD.md §4.5) from per-position
     acceptance a_i = 1 − TV_i; jnp in, jnp out (numpy in, numpy out)."""
     xp = np if isinstance(accept_BxG, np.ndarray) else jnp
     a = accept_BxG if mask_BxG is None else accept_BxG * mask_BxG

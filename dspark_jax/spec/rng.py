@@ -4,8 +4,8 @@
 
 ``root`` is one PRNG key for the whole engine (typed ``jax.random.key`` or raw ``PRNGKey``);
 ``seed`` is the request's seed (uint32 range); ``position`` is the absolute sequence position of
-the token the draw is about. DESIGN §4's ``fold_in(fold_in(key, request_seed), position)`` is this
-with ``key = stream_key(root, stream)``.
+the token the draw is about. The convention of docs/ARCHITECTURE.md §4.4,
+``fold_in(fold_in(key, request_seed), position)``, is this with ``key = stream_key(root, stream)``.
 
 Streams (one per kind of draw, so no two draws ever share a key):
 

@@ -1,4 +1,4 @@
-"""Anchor sampling, block inputs, labels and the evaluation mask (REFERENCE §2.3, §2.6–2.8).
+"""Anchor sampling, block inputs, labels and the evaluation mask (docs/METHOD.md §2.3, §2.6–2.8).
 
 All functions are pure and jit-able; `num_anchors`, `block_size` and `mask_token_id` are static.
 Conventions for one sequence of length L and N anchor blocks of γ slots:

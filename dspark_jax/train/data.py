@@ -1,4 +1,4 @@
-"""Prompt and conversation records: read, validate and write them (REFERENCE §1).
+"""Prompt and conversation records: read, validate and write them (docs/METHOD.md §1).
 
 Formats (one JSON object per line; blank lines are ignored):
 
@@ -6,7 +6,7 @@ Formats (one JSON object per line; blank lines are ignored):
 * conversation files: ``{"id": ..., "conversations": [{"role": ..., "content": ...}, ...]}``
   (``{"from": ..., "value": ...}`` messages, as in ShareGPT-style sources, are accepted too).
 
-Roles are mapped as in REFERENCE §1.1: human/user → user, gpt/chatgpt/bing/bard/assistant →
+Roles are mapped as in docs/METHOD.md §1.1: human/user → user, gpt/chatgpt/bing/bard/assistant →
 assistant, any other role (e.g. system) is dropped; a kept conversation starts with a user turn
 and has only non-empty contents. Rows that break these rules are *dropped* and counted in
 `ReadStats`; a file that is structurally wrong (not JSON, missing field, wrong type, empty) raises
@@ -35,7 +35,7 @@ from dspark_jax.io import atomic_write
 from dspark_jax.storage import as_path
 from dspark_jax.templates import RenderConfig, assistant_char_spans, render_conversation
 
-# Role names as they appear in sources → our two roles. Anything else is dropped (REFERENCE §1.1).
+# Role names in sources → our two roles. Anything else is dropped (docs/METHOD.md §1.1).
 ROLE_MAP: dict[str, str] = {
     "user": "user",
     "human": "user",
@@ -46,7 +46,8 @@ ROLE_MAP: dict[str, str] = {
     "bard": "assistant",
 }
 
-EVAL_PROMPT_SEED = 980406  # REFERENCE §6.1: rows shuffled with random.Random(980406) before capping
+# docs/METHOD.md §6.1: rows shuffled with random.Random(980406) before capping
+EVAL_PROMPT_SEED = 980406
 
 Id = int | str | None
 
@@ -213,7 +214,7 @@ def normalize_messages(
     """Validate and role-map one raw message list.
 
     Returns `(messages, None)` when the conversation is kept or `(None, reason)` when it is dropped
-    under REFERENCE §1.1. Structural problems (not a list, message not an object, missing or
+    under docs/METHOD.md §1.1. Structural problems (not a list, message not an object, missing or
     non-string role/content) raise `DataError`. With `keep_system`, a leading system message is
     kept (the renderer then uses it instead of any default system prompt).
     """
@@ -240,7 +241,7 @@ def normalize_messages(
             if keep_system and role.lower() == "system" and not out:
                 mapped = "system"
             else:
-                continue  # REFERENCE §1.1: other roles are dropped
+                continue  # docs/METHOD.md §1.1: other roles are dropped
         out.append(Message(mapped, content))
     body = out[1:] if out and out[0].role == "system" else out
     if not body:
@@ -336,7 +337,8 @@ def read_prompts(path: str | os.PathLike) -> tuple[list[Prompt], ReadStats]:
     """Read a prompt JSONL file into `Prompt`s.
 
     Rows are ``{"turns": [str, ...]}`` (DeepSpec format) or conversation rows, of which only the
-    user turns are kept (REFERENCE §1.2: assistant turns are regenerated). Empty turns drop the row.
+    user turns are kept (docs/METHOD.md §1.2: assistant turns are regenerated). Empty turns drop
+    the row.
     """
     stats = ReadStats(source=Path(path).name)
     prompts: list[Prompt] = []
@@ -373,7 +375,7 @@ def read_prompts(path: str | os.PathLike) -> tuple[list[Prompt], ReadStats]:
 
 
 def select_prompts(prompts: Sequence[Any], cap: int | None, seed: int = EVAL_PROMPT_SEED) -> list:
-    """The evaluation subset of REFERENCE §6.1: all rows if ≤ cap, else shuffle and take `cap`."""
+    """docs/METHOD.md §6.1's evaluation subset: all rows if ≤ cap, else shuffle and take `cap`."""
     rows = list(prompts)
     if cap is None or len(rows) <= cap:
         return rows

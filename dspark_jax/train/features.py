@@ -1,4 +1,4 @@
-"""Target features for drafter training, online (default) or from an offline cache (REFERENCE §1.4).
+"""Target features for training drafters (docs/METHOD.md §1.4): online (default) or from a cache.
 
 The drafter needs two tensors per token: `target_features` [L, m*H], the raw outputs of the
 configured `target_layer_ids` concatenated in order, and `target_hidden` [L, H], the final-normed

@@ -1,6 +1,6 @@
 """Deterministic, resumable training data order with static (bucketed) batch shapes.
 
-Order (REFERENCE §1.5): with N usable samples and G sequences per optimizer step,
+Order (docs/METHOD.md §1.5): with N usable samples and G sequences per optimizer step,
 `samples_per_epoch = floor(N / G) * G`; epoch e draws a fresh permutation seeded `data_seed + e`
 (default 42 + e, independent of the model seed) and keeps its first `samples_per_epoch` entries.
 The epochs are concatenated into one endless *stream*; the loader's whole state is a single

@@ -1,4 +1,4 @@
-"""Drafter losses and training metrics (REFERENCE §4, §5.2). Every term is computed in fp32.
+"""Drafter losses and training metrics (docs/METHOD.md §4, §5.2). Every term is computed in fp32.
 
 The trainer's contract is one function:
 
@@ -18,7 +18,7 @@ The trainer's contract is one function:
                attention_mask  [B, L]      optional, 1 = real token (Eagle3 valid length;
                                            default: all ones)
              Target logits are recomputed inside from `target_hidden` with the frozen lm_head,
-             only at the positions the loss needs (REFERENCE §1.4, §2.8), never stored;
+             only at the positions the loss needs (docs/METHOD.md §1.4, §2.8), never stored;
              soft-capped as the draft logits for a Gemma 4 target (`logit_softcap`).
   rng        a jax PRNG key: anchor sampling (DSpark/DFlash; fresh per step — e.g.
              fold_in(key, step)). Eagle3 ignores it.
@@ -39,7 +39,7 @@ evaluation; the other keys are this batch's ratios:
   losses), acc [γ] (per-step argmax accuracy vs the target's argmax, acc_num), tau_greedy, n_tokens.
   Every kind returns loss, ce, l1, bce, accept_rate, tau (the keys a trainer logs and selects on).
 
-Normalization (REFERENCE §4.3): each term is Σ_batch num / (Σ_batch den + 1e-6) over the B
+Normalization (docs/METHOD.md §4.3): each term is Σ_batch num / (Σ_batch den + 1e-6) over the B
 sequences of this call, i.e. a token-weighted mean per micro-batch; averaging micro-batch losses
 with equal weight is the trainer's job. Eagle3 is normalised per sequence as the reference does
 (batch 1 per rank, "local_mean" over the sequence's full length T): each sequence's step loss is
@@ -71,7 +71,7 @@ EPS = 1e-6
 class LossWeights(NamedTuple):
     """The loss's numeric settings as arrays (a pytree: jit arguments, vmappable).
 
-    ce, l1, conf: α_ce, α_l1, α_conf fp32 scalars (REFERENCE §4.2; Eagle3 reads none of them).
+    ce, l1, conf: α_ce, α_l1, α_conf fp32 scalars (docs/METHOD.md §4.2; Eagle3 reads none of them).
     position: [γ] fp32 — DSpark / DFlash: the slot weights w_k = exp(−k/g) (§4.1); Eagle3: the
       TTT step weights decay^k (§5.2).
     A sweep: `LossWeights.stack([LossWeights.of(cfg.replace(loss_decay_gamma=g)) for g in gs])`.
@@ -126,7 +126,7 @@ def loss_fn(
 
 def position_weights(cfg: DrafterConfig) -> np.ndarray:
     """The per-slot weights [γ] fp32 (numpy). DSpark / DFlash: w_k = exp(−k/g), k = 0..γ−1
-    (g = cfg.decay_g; REFERENCE §4.1); Eagle3: step_loss_decay^k (§5.2).
+    (g = cfg.decay_g; docs/METHOD.md §4.1); Eagle3: step_loss_decay^k (§5.2).
 
     Computed on the host (float64, rounded once): the same on every machine and in every
     program, where XLA's in-graph exp can differ by 1 ulp with the fusion around it. For the
@@ -161,7 +161,7 @@ def _check_batch(cfg: DrafterConfig, batch: Batch) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# DSpark / DFlash (REFERENCE §4)
+# DSpark / DFlash (docs/METHOD.md §4)
 
 
 def ce_and_l1(logits, p_t, ids=None):
@@ -287,7 +287,7 @@ def _blocks_chunked(blocks: AnchorBlocks, chunk: int) -> AnchorBlocks:
 
 
 def dspark_loss(cfg, trainable, frozen, batch: Batch, rng, weights=None) -> tuple[jax.Array, dict]:
-    """DSpark / DFlash: α_ce·CE + α_l1·L1 + α_conf·BCE, position-weighted means (REFERENCE §4)."""
+    """DSpark / DFlash: α_ce·CE + α_l1·L1 + α_conf·BCE, slot-weighted means (docs/METHOD.md §4)."""
     model = build(cfg, DrafterParams(trainable, frozen))
     ids = batch["input_ids"].astype(jnp.int32)
     b, seq = ids.shape
@@ -346,12 +346,12 @@ def combine_terms(
 
 
 # ---------------------------------------------------------------------------------------------
-# Eagle3 (REFERENCE §5.2)
+# Eagle3 (docs/METHOD.md §5.2)
 
 
 def eagle3_loss(cfg, trainable, frozen, batch: Batch, weights=None) -> tuple[jax.Array, dict]:
     """TTT soft-label CE: Σ_k w_k mean_b [Σ_t M^k_bt·CE(P^k_bt, q^k_bt) / T_b], T_b the real
-    length of sequence b (REFERENCE §5.2: per-sequence "local_mean", equal weight per sequence).
+    length of sequence b (docs/METHOD.md §5.2: per-sequence "local_mean", sequences weigh equally).
 
     P^k_t = softmax(lm_head(target_hidden[t+k+1])), uniform past the end (never supervised);
     M^0 = loss_mask with each row's last real token cleared, M^k_t = M^0_{t+k}; w_k =
@@ -425,7 +425,7 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch, weights=None) -> tuple[jax
     return total, m
 
 
-simulated_tau = block_tau  # τ per block [B] (REFERENCE §4.5), owned by spec.metrics
+simulated_tau = block_tau  # τ per block [B] (docs/METHOD.md §4.5), owned by spec.metrics
 
 
 __all__ = [

@@ -21,7 +21,7 @@ import optax
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSettings:
-    """What the optimizer and its schedule read of a `TrainConfig` (REFERENCE §8)."""
+    """What the optimizer and its schedule read of a `TrainConfig` (docs/METHOD.md §8)."""
 
     learning_rate: float
     warmup_ratio: float
@@ -38,7 +38,7 @@ class OptimizerSettings:
 
 
 def lr_schedule(cfg, total_steps: int) -> Callable[[jax.Array], jax.Array]:
-    """REFERENCE §8: update s (0-indexed) uses lr·(s+1)/W for s < W, lr·½(1+cos(π(s−W)/(S−W)))
+    """docs/METHOD.md §8: update s (0-indexed) uses lr·(s+1)/W for s < W, lr·½(1+cos(π(s−W)/(S−W)))
     for W ≤ s < S, 0 after; W = int(warmup_ratio·S)."""
     peak, s_total = cfg.learning_rate, int(total_steps)
     warm = int(cfg.warmup_ratio * s_total)

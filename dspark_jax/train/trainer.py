@@ -19,7 +19,7 @@ One optimizer step = `accum_steps` calls of the jitted micro-step (one compilati
 bucket: forward of the frozen target in online mode, loss, gradient, fp32 accumulation) and one
 call of the jitted update (compiled once: mean gradient, global-norm clip, AdamW, schedule).
 The gradient is the equal-weight mean over micro-batches of each micro-batch's token-weighted
-loss (REFERENCE §4.3); a micro-batch is the global one over every device and process.
+loss (docs/METHOD.md §4.3); a micro-batch is the global one over every device and process.
 
 Determinism: the data order is a function of the stream position, the loss RNG of micro-step a
 of update s is fold_in(fold_in(key(seed), s), a), and the optimizer state is restored exactly,
