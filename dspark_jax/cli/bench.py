@@ -1,6 +1,6 @@
-"""`serve.py bench` (and benchmarks/serving_load.py): the flags of the bounded load test of a
-server on this machine (dspark_jax/eval/load_test.py) or, with `--duration` (and `--chaos`), of
-the soak (dspark_jax/eval/soak.py); its JSON on stdout (and `--out`) and its exit code.
+"""`serve.py bench`: the flags of the bounded load test of a server on this machine
+(dspark_jax/eval/load_test.py) or, with `--duration` (and `--chaos`), of the soak
+(dspark_jax/eval/soak.py); its JSON on stdout (and `--out`) and its exit code.
 """
 
 from __future__ import annotations
