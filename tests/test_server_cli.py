@@ -15,11 +15,11 @@ import pytest
 
 from dspark_jax import drafters
 from dspark_jax.cli import serve_http
+from dspark_jax.config.pipeline import PipelineConfig
 from dspark_jax.drafters.compat import TargetId, vocab_hash
 from dspark_jax.drafters.hf import load_hf_drafter_extras, save_hf_drafter
 from dspark_jax.models import init_params
 from dspark_jax.models.hf import save_target_hf
-from dspark_jax.pipeline_config import PipelineConfig
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.sched.policies import CausalGreedy, FixedGamma
 from dspark_jax.sched.sts import STS

@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 from dspark_jax.cli.common import report, start_runtime, user_errors
+from dspark_jax.config.pipeline import STAGES, PipelineConfig, apply_overrides
 from dspark_jax.errors import ConfigError
 from dspark_jax.launch import add_distributed_flags, init_distributed
-from dspark_jax.pipeline_config import STAGES, PipelineConfig, apply_overrides
 from dspark_jax.run.validate import check_stage_names, validate_config
 
 # configs/ is installed beside dspark_jax/ (pyproject's packages.find), in a checkout and a wheel

@@ -29,12 +29,12 @@ from typing import Any
 from dspark_jax import drafters as dr
 from dspark_jax.compat import check_sts, load_cost_profile
 from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.config.pipeline import PipelineConfig
 from dspark_jax.drafters.compat import TargetId, vocab_hash
 from dspark_jax.drafters.hf import save_hf_drafter
 from dspark_jax.errors import CheckpointError, ConfigError, RequestError
 from dspark_jax.models.hf import load_target, load_tokenizer
 from dspark_jax.parallel import shard_params
-from dspark_jax.pipeline_config import PipelineConfig
 from dspark_jax.sched.sts import STS
 from dspark_jax.storage import as_path, copy_tree, is_url, local_copy
 

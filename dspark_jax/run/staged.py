@@ -30,9 +30,9 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
+from dspark_jax.config.pipeline import STAGES, PipelineConfig, absolute_paths
 from dspark_jax.errors import ConfigError
 from dspark_jax.io import FileHasher, canonical_hash, write_json_atomic
-from dspark_jax.pipeline_config import STAGES, PipelineConfig, absolute_paths
 from dspark_jax.run.eta import PipelineEta
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.run.store import StageStore

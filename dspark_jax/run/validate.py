@@ -19,8 +19,8 @@ from pathlib import Path
 
 from dspark_jax.compat import check_sampling
 from dspark_jax.config import MARKOV_HEAD_TYPES, TargetConfig
+from dspark_jax.config.pipeline import STAGES, PipelineConfig
 from dspark_jax.errors import ConfigError, DataError
-from dspark_jax.pipeline_config import STAGES, PipelineConfig
 from dspark_jax.train.data import read_conversations, read_prompts
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
