@@ -24,6 +24,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from dspark_jax import runtime
 from dspark_jax.errors import ConfigError
 from dspark_jax.io import atomic_write
 
@@ -146,7 +147,7 @@ def local_copy(url, *, stamp: str = "") -> Path:
     src = as_path(url)
     if isinstance(src, Path):
         return src
-    cache = Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark_jax")
+    cache = runtime.local_cache_dir()
     out = cache / "remote" / hashlib.sha256(f"{src}|{stamp}".encode()).hexdigest()[:20]
     if out.is_dir():
         return out

@@ -39,7 +39,7 @@ from dspark_jax.engine.flat import FlatParams, flat_jit
 from dspark_jax.engine.memory import check_engine_memory, plan_engine_memory
 from dspark_jax.engine.requests import RequestParams
 from dspark_jax.engine.rounds import RoundsInputs, RoundsSpec
-from dspark_jax.xla_cpu import engine_compiler_options
+from dspark_jax.runtime.xla_cpu import engine_compiler_options
 
 Timer = Callable[[str, float, object], None]
 Fault = Callable[[str, Callable[[], tuple]], tuple]

@@ -179,7 +179,7 @@ class ServingEngine:
     @property
     def compilations_from_cache(self) -> int:
         """Of `compilations`, those the persistent compilation cache served (read, not
-        compiled; `dspark_jax.runtime.enable_compilation_cache`)."""
+        compiled; `dspark_jax.runtime.compile_cache`)."""
         return self._tally.cache_hits
 
     @property
