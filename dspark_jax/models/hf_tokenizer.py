@@ -16,6 +16,7 @@ def quiet_transformers():
     tokenizers, never its models. Only that import is quieted; later warnings are untouched."""
     if "transformers" not in sys.modules:
         with runtime.environ_set("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"):
+            # here: inside the quieted environment (the advisory is printed at import time)
             import transformers  # noqa: F401
     return sys.modules["transformers"]
 

@@ -36,7 +36,8 @@ from dspark_jax.io import FileHasher, canonical_hash, write_json_atomic
 from dspark_jax.run.eta import PipelineEta
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.run.store import StageStore
-from dspark_jax.run.validate import check_stage_names, validate_config, validate_inputs
+from dspark_jax.run.validate import check_stage_names, validate_config
+from dspark_jax.run.validate_inputs import validate_inputs
 from dspark_jax.storage import as_path, copy_tree, is_url, local_copy
 from dspark_jax.train.data_tfds import tfds_source
 

@@ -54,6 +54,7 @@ def _scan_for_eviction_rarely() -> None:
     up to 1/16 of the limit (the cache can run past its limit by that much per writing process
     meanwhile). Entries, access times, the lock and the eviction order stay JAX's own; a JAX
     without that class is left alone."""
+    # jax's private cache modules: imported with jax, after the configuration check (as above)
     from jax._src import compilation_cache, lru_cache
 
     base = getattr(lru_cache, "LRUCache", None)
@@ -86,6 +87,7 @@ def drop_unfinished_entries(d: Path) -> list[str]:
     start. An entry without its `-atime` file is such an interrupted write; JAX's own lock is
     held while looking, so no live writer is caught halfway."""
     try:
+        # optional: not our dependency (huggingface_hub brings it); JAX's LRU cache locks with it
         import filelock
 
         lock = filelock.FileLock(str(d / ".lockfile"))
