@@ -5,9 +5,9 @@ code is dspark_jax/cli/serve.py."""
 import sys
 
 if __name__ == "__main__":
-    from dspark_jax.runtime.hugepages import rerun_with_hugepages
+    from dspark_jax.runtime import rerun_with_hugepages
 
-    rerun_with_hugepages()  # first: glibc reads the tunable only when a process starts (runtime/hugepages.py)
+    rerun_with_hugepages()  # first: glibc reads the tunable only when a process starts (runtime/)
     from dspark_jax.cli.serve import main  # after the re-run: its imports take 0.36 s
 
     sys.exit(main())

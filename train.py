@@ -7,7 +7,7 @@ import sys
 from dspark_jax.cli.train import main
 
 if __name__ == "__main__":
-    from dspark_jax.runtime.hugepages import rerun_with_hugepages
+    from dspark_jax.runtime import rerun_with_hugepages
 
-    rerun_with_hugepages()  # once, before JAX is imported (dspark_jax/runtime/hugepages.py)
+    rerun_with_hugepages()  # once, before JAX is imported (dspark_jax/runtime/)
     sys.exit(main())

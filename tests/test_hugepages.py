@@ -1,4 +1,4 @@
-"""`dspark_jax.runtime.hugepages`: when the scripts re-run themselves with glibc's huge-page tunable, that
+"""`dspark_jax.runtime`'s huge pages: when the scripts re-run themselves with glibc's huge-page tunable, that
 the re-run happens once with the same arguments, and that it takes the page faults out of a
 program whose temporary buffers are large (what it is for)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_jax.runtime import hugepages as hp
+from dspark_jax import runtime as hp
 
 ROOT = Path(__file__).resolve().parents[1]
 LINUX = dict(platform="linux", glibc=(2, 36), thp="madvise")
@@ -64,7 +64,7 @@ def test_rerun_happens_once_with_the_same_arguments():
     code = (
         "import os, sys\n"
         "print('start', os.getpid(), flush=True)\n"
-        "from dspark_jax.runtime.hugepages import rerun_with_hugepages\n"
+        "from dspark_jax.runtime import rerun_with_hugepages\n"
         "rerun_with_hugepages()\n"
         "print('args', sys.argv[1:], os.environ['GLIBC_TUNABLES'], os.getpid())\n"
     )
@@ -82,7 +82,7 @@ def test_rerun_happens_once_with_the_same_arguments():
 
 FAULTS = (
     "import resource, jax, jax.numpy as jnp\n"
-    "from dspark_jax.runtime.hugepages import rerun_with_hugepages\n"
+    "from dspark_jax.runtime import rerun_with_hugepages\n"
     "rerun_with_hugepages()\n"
     "@jax.jit\n"
     "def f(x):  # ~200 MB of temporaries per call\n"
