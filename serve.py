@@ -7,7 +7,7 @@ import sys
 if __name__ == "__main__":
     from dspark_jax.runtime import rerun_with_hugepages
 
-    rerun_with_hugepages()  # first: glibc reads the tunable only when a process starts (runtime.py)
+    rerun_with_hugepages()  # first: glibc reads the tunable only when a process starts (runtime/)
     from dspark_jax.cli.serve import main  # after the re-run: its imports take 0.36 s
 
     sys.exit(main())

@@ -9,5 +9,5 @@ from dspark_jax.cli.train import main
 if __name__ == "__main__":
     from dspark_jax.runtime import rerun_with_hugepages
 
-    rerun_with_hugepages()  # once, before JAX is imported (dspark_jax/runtime.py)
+    rerun_with_hugepages()  # once, before JAX is imported (dspark_jax/runtime/)
     sys.exit(main())

@@ -45,10 +45,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs.tiny import config as tiny_config  # noqa: E402
-from dspark_jax import drafters, runtime, xla_cpu  # noqa: E402
+from dspark_jax import drafters, runtime  # noqa: E402
 from dspark_jax.config import DrafterConfig  # noqa: E402
 from dspark_jax.models import generate as gen  # noqa: E402
 from dspark_jax.models import transformer as tf  # noqa: E402
+from dspark_jax.runtime import xla_cpu  # noqa: E402
 from dspark_jax.spec import sampling as S  # noqa: E402
 from dspark_jax.testing import drafter_batch  # noqa: E402
 from dspark_jax.train import lm, losses  # noqa: E402

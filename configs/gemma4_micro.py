@@ -15,7 +15,7 @@ sizes, steps and counts; one device (the default mesh).
 import dataclasses
 
 from configs.micro import config as micro_config
-from dspark_jax.pipeline_config import TargetStage
+from dspark_jax.config.pipeline import TargetStage
 
 
 def config():

@@ -3,8 +3,8 @@
 import dataclasses
 
 from configs.tiny import config as tiny_config
-from dspark_jax.demo.corpus import CorpusConfig
-from dspark_jax.pipeline_config import (
+from dspark_jax.config.corpus import CorpusConfig
+from dspark_jax.config.pipeline import (
     DRAFTER_TRAIN,
     TARGET_TRAIN,
     CalibrateStage,

@@ -26,7 +26,7 @@ fit and names the field to change. The same command runs on one process per host
 """
 
 from dspark_jax.config import MeshConfig
-from dspark_jax.pipeline_config import (
+from dspark_jax.config.pipeline import (
     DRAFTER_TRAIN,
     CalibrateStage,
     DrafterStage,

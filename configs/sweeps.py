@@ -6,9 +6,9 @@ the demo's own drafters are kept in `runs/tiny/previous/` and restored when the 
 configuration runs again. Evaluation per point: the τ table at the demo's temperature (no extra
 temperatures, no speed section).
 
-    python configs/sweeps.py                 # every point, then runs/sweeps/summary.{json,md}
-    python configs/sweeps.py --only depth    # or: --only gamma
-    python configs/sweeps.py --run-dir /data/runs/tiny   # a demo run directory elsewhere
+    python -m configs.sweeps                 # every point, then runs/sweeps/summary.{json,md}
+    python -m configs.sweeps --only depth    # or: --only gamma
+    python -m configs.sweeps --run-dir /data/runs/tiny   # a demo run directory elsewhere
     python train.py --config configs/sweeps.py --set drafters.num_layers=2   # one point by hand
 
 Points:
@@ -32,11 +32,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from configs.tiny import config as tiny_config
 
-from configs.tiny import config as tiny_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 POINTS = {
     "depth": [

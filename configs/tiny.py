@@ -13,7 +13,7 @@ steps x 8 sequences x 256 tokens, accumulated over 2 micro-batches of 4.
 """
 
 from dspark_jax.config import TargetConfig, default_target_layer_ids
-from dspark_jax.pipeline_config import (
+from dspark_jax.config.pipeline import (
     DRAFTER_TRAIN,
     TARGET_TRAIN,
     CalibrateStage,

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 import shutil
 import uuid
 from pathlib import Path
 
+from etils import epath
+
+from dspark_jax import runtime
 from dspark_jax.errors import ConfigError
 from dspark_jax.io import atomic_write
 
@@ -57,7 +61,6 @@ def as_path(path):
             f"{os.fspath(path)}: {scheme}:// is not a storage etils.epath writes — use a local "
             f"path or one of {', '.join(s + '://' for s in URL_BACKENDS)}"
         )
-    from etils import epath
 
     p = path if isinstance(path, epath.Path) else epath.Path(os.fspath(path))
     _check_backend(scheme, os.fspath(path))
@@ -67,12 +70,10 @@ def as_path(path):
 def _check_backend(scheme: str, where: str) -> None:
     """Refuse in one line a URL whose epath backend is not installed (fsspec + gcsfs / s3fs /
     ..., or tensorflow's gfile)."""
-    import importlib.util
-
     if importlib.util.find_spec("tensorflow") is not None:
         return  # epath writes the URL through gfile
     try:
-        import fsspec
+        import fsspec  # optional: a URL backend (fsspec + gcsfs / s3fs), not a dependency
 
         fsspec.get_filesystem_class("gcs" if scheme == "gs" else scheme)
     except (ImportError, ValueError):
@@ -146,7 +147,7 @@ def local_copy(url, *, stamp: str = "") -> Path:
     src = as_path(url)
     if isinstance(src, Path):
         return src
-    cache = Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark_jax")
+    cache = runtime.local_cache_dir()
     out = cache / "remote" / hashlib.sha256(f"{src}|{stamp}".encode()).hexdigest()[:20]
     if out.is_dir():
         return out

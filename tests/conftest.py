@@ -93,7 +93,8 @@ def _compilation_cache_and_tally():
     from jax import monitoring
 
     from dspark_jax.engine.compiles import CACHE_HIT_EVENT, COMPILE_EVENT
-    from dspark_jax.runtime import CACHE_ENV, enable_compilation_cache
+    from dspark_jax.runtime import CACHE_ENV
+    from dspark_jax.runtime.compile_cache import enable_compilation_cache
 
     if os.environ.get(CACHE_ENV):
         enable_compilation_cache()

@@ -72,9 +72,9 @@ def test_train_cli_user_errors(tmp_path, bad_files, args, needle):
 def test_configuration_mistakes_are_reported_before_jax_loads(tmp_path):
     """The preset, the --set overrides and the stage names are checked before jax is imported
     (a mistake costs ~0.4 s, not the ~2.5 s of loading jax)."""
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import train; "
-        "rc = train.main(sys.argv[2:]); print('jax loaded:', 'jax' in sys.modules); sys.exit(rc)"
+    code = (  # `python -c` in cwd=ROOT imports the repository's train.py
+        "import sys, train; "
+        "rc = train.main(sys.argv[1:]); print('jax loaded:', 'jax' in sys.modules); sys.exit(rc)"
     )
     base = ["--config", "configs/micro.py", "--run-dir", str(tmp_path / "r")]
     for extra, needle in (
@@ -84,7 +84,7 @@ def test_configuration_mistakes_are_reported_before_jax_loads(tmp_path):
     ):
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)
-        p = subprocess.run([sys.executable, "-c", code, str(ROOT), *base, *extra], cwd=ROOT,
+        p = subprocess.run([sys.executable, "-c", code, *base, *extra], cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
         _assert_user_error(p, needle)
         assert "jax loaded: False" in p.stdout, p.stdout + p.stderr

@@ -10,10 +10,11 @@ from pathlib import Path
 
 from dspark_jax import runtime
 from dspark_jax.runtime import CACHE_ENV as ENV
+from dspark_jax.runtime import compile_cache
 
 CHILD = """
 import time, jax, jax.numpy as jnp
-from dspark_jax.runtime import enable_compilation_cache
+from dspark_jax.runtime.compile_cache import enable_compilation_cache
 print(enable_compilation_cache())
 hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
@@ -54,7 +55,7 @@ def test_a_second_process_reads_the_cache(tmp_path):
 def test_an_entry_cut_short_by_a_kill_is_dropped_and_written_again(tmp_path):
     """A process killed while JAX wrote a cache entry leaves it truncated and without its
     `-atime` file; JAX never overwrites an entry, so it would fail to load on every start. The
-    next start drops it (`runtime.drop_unfinished_entries`), compiles and writes it whole; the
+    next start drops it (`compile_cache.drop_unfinished_entries`), compiles and writes it whole; the
     start after that reads it."""
     cache = tmp_path / "xla"
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{ENV: str(cache)})
@@ -84,7 +85,7 @@ def test_the_cache_sizes_its_directory_rarely_and_still_evicts(tmp_path, monkeyp
     the least recently used entries past the limit."""
     from jax._src import compilation_cache, lru_cache
 
-    runtime._scan_for_eviction_rarely()
+    compile_cache._scan_for_eviction_rarely()
     cls = compilation_cache.LRUCache
     assert issubclass(cls, lru_cache.LRUCache) and cls is not lru_cache.LRUCache
     scans = []

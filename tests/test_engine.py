@@ -310,7 +310,7 @@ def test_greedy_request_in_the_sampled_mode_equals_greedy_decoding(pair, refs):
     """A T = 0 request on an engine compiled for temperature sampling only (the evaluation's
     decoders, `evaluate_stage.eval_modes`) runs as a greedy row: plain greedy decoding's tokens
     and the argmax mode's acceptances, round for round."""
-    from dspark_jax.pipeline_config import EvalStage
+    from dspark_jax.config.pipeline import EvalStage
     from dspark_jax.run.evaluate_stage import eval_modes
 
     assert eval_modes(EvalStage(temperature=1.0, temperatures=(0.0,))) == ("sampled",)

@@ -109,7 +109,7 @@ def test_a_regeneration_that_cannot_fit_is_refused_before_decoding(pair):
     run's device memory (`drafters.train.device_memory_gib`) cannot hold it."""
     from types import SimpleNamespace
 
-    from dspark_jax.pipeline_config import DRAFTER_TRAIN
+    from dspark_jax.config.pipeline import DRAFTER_TRAIN
     from dspark_jax.run.regenerate_stage import check_regen_memory
 
     tcfg, tp, _, _ = pair

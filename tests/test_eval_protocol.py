@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from configs.micro import config as micro_config
-from dspark_jax.pipeline_config import DataStage
+from dspark_jax.config.pipeline import DataStage
 from dspark_jax.run.pipeline import Pipeline
 from dspark_jax.templates import RenderConfig
 

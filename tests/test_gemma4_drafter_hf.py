@@ -26,7 +26,8 @@ from dspark_jax.drafters.dspark import teacher_forced
 from dspark_jax.drafters.eagle3 import ttt_hidden
 from dspark_jax.drafters.hf import drafter_config_from_hf, load_hf_drafter, save_hf_drafter
 from dspark_jax.errors import CheckpointError
-from dspark_jax.models.hf_gemma4 import gemma4_config, gemma4_text_config_dict
+from dspark_jax.models.hf_config import gemma4_text_config_dict
+from dspark_jax.models.hf_gemma4 import gemma4_config
 from dspark_jax.testing import tiny_target_config
 from dspark_jax.train.anchors import make_blocks
 from tests.test_gemma4_drafters import TCFG, drafter

@@ -314,7 +314,7 @@ def test_eagle3_loss_is_a_mean_over_sequences_of_per_sequence_losses(target):
 def test_training_tau_is_the_mean_of_per_block_survival_products(target):
     """The best-checkpoint metric `tau` (docs/METHOD.md §4.5 tau_probabilistic) averages per-block
     survival products; the product of per-position means (`sim_tau`) differs from it."""
-    from dspark_jax.pipeline_config import DrafterStage
+    from dspark_jax.config.pipeline import DrafterStage
     from dspark_jax.spec.metrics import simulated_tau as product_of_means
 
     assert DrafterStage().train_config(seed=0).best_metric == "tau"

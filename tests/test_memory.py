@@ -219,8 +219,7 @@ def test_gemma4_12b_preset_has_the_reference_settings_on_8xh100():
 
 
 _POD_PLAN = """
-import json, sys
-sys.path[:0] = [{root!r}, {tests!r}]
+import json
 import dataclasses
 import jax
 import configs.qwen3_4b_dspark_v5e256 as preset
@@ -232,7 +231,7 @@ from test_memory import _plan_4b
 assert jax.device_count() == 256
 pc = preset.config()
 cfg = pc.drafters.train_config(seed=0).replace(device_memory_gib=preset.DEVICE_MEMORY_GIB)
-out = {{"accum_steps": cfg.accum_steps}}
+out = {"accum_steps": cfg.accum_steps}
 for kind in pc.drafters.kinds:
     plan, _ = _plan_4b(cfg, kind, pc.mesh)
     out[kind] = dict(plan.to_json(), fits=plan.fits, summary=plan.summary())
@@ -257,9 +256,11 @@ def test_v5e256_preset_fits_16_gib_per_chip_for_every_drafter(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     script = tmp_path / "plan.py"
-    script.write_text(_POD_PLAN.format(root=str(root), tests=str(root / "tests")))
+    script.write_text(_POD_PLAN)
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=256")  # fmt: skip
+    # the script imports configs/ and test_memory.py from this checkout
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from dspark_jax.config import TargetConfig
+from dspark_jax.config.pipeline import PipelineConfig, apply_overrides
 from dspark_jax.errors import ConfigError
-from dspark_jax.pipeline_config import PipelineConfig, apply_overrides
 from dspark_jax.run.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]

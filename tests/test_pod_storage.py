@@ -167,7 +167,7 @@ def test_pipeline_stage_on_a_bucket_run_dir(bucket):
     import runpy
     from pathlib import Path
 
-    from dspark_jax.pipeline_config import apply_overrides
+    from dspark_jax.config.pipeline import apply_overrides
     from dspark_jax.run.pipeline import Pipeline
 
     root = Path(__file__).resolve().parents[1]
@@ -203,7 +203,7 @@ def test_micro_pipeline_on_a_bucket_run_dir(bucket, tmp_path, monkeypatch):
     import sys
     from pathlib import Path
 
-    from dspark_jax.pipeline_config import STAGES
+    from dspark_jax.config.pipeline import STAGES
     from dspark_jax.run.rundir import RunDir
 
     here = Path(__file__).resolve().parent

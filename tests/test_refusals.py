@@ -19,13 +19,13 @@ import pytest
 
 from dspark_jax import drafters
 from dspark_jax.compat import check_cost_profile, device_name, load_cost_profile, target_shape_key
+from dspark_jax.config.pipeline import PipelineConfig
 from dspark_jax.drafters.compat import TargetId, check_fits
 from dspark_jax.drafters.hf import load_hf_drafter, save_hf_drafter
 from dspark_jax.engine import ServingEngine
 from dspark_jax.errors import ConfigError
 from dspark_jax.models import init_params
 from dspark_jax.models.hf import save_target_hf
-from dspark_jax.pipeline_config import PipelineConfig
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.run.validate import validate_config
 from dspark_jax.sched.cost import CostProfile

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dspark_jax.config.pipeline import apply_overrides
 from dspark_jax.errors import ConfigError, DataError
-from dspark_jax.pipeline_config import apply_overrides
 from dspark_jax.run.pipeline import STAGES, Pipeline
 from dspark_jax.run.store import StageStore
 

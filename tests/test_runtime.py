@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from dspark_jax import runtime
-from dspark_jax.cli.serve_http import SHIPPED_PROFILES, read_shipped
+from dspark_jax.cli.serve_engine import SHIPPED_PROFILES, read_shipped
 from dspark_jax.sched.cost import CostProfile
 
 

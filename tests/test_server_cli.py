@@ -14,12 +14,12 @@ import jax
 import pytest
 
 from dspark_jax import drafters
-from dspark_jax.cli import serve_http
+from dspark_jax.cli import serve_engine, serve_http
+from dspark_jax.config.pipeline import PipelineConfig
 from dspark_jax.drafters.compat import TargetId, vocab_hash
 from dspark_jax.drafters.hf import load_hf_drafter_extras, save_hf_drafter
 from dspark_jax.models import init_params
 from dspark_jax.models.hf import save_target_hf
-from dspark_jax.pipeline_config import PipelineConfig
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.sched.policies import CausalGreedy, FixedGamma
 from dspark_jax.sched.sts import STS
@@ -63,7 +63,7 @@ def test_checkpoints_load_with_alg1_and_the_fallback_is_logged(ckpts, caplog):
     args = _args("serve", "--target", target, "--drafter", drafter["dspark"], "--num-slots", "2",
                  "--max-len", "128", "--model-name", "m")  # fmt: skip
     with caplog.at_level(logging.INFO, logger="dspark.serve"):
-        engine, tok, stop_ids, name = serve_http.build_engine(args)
+        engine, tok, stop_ids, name = serve_engine.build_engine(args)
     assert name == "m" and engine.num_slots == 2 and engine.token_limit == 128
     assert isinstance(engine.scheduler.policy, CausalGreedy)
     assert 2 in stop_ids  # <|im_end|>
@@ -77,7 +77,7 @@ def test_drafter_without_confidences_defaults_to_fixed(ckpts, caplog):
     args = _args("serve", "--target", target, "--drafter", drafter["dflash"], "--num-slots", "1",
                  "--max-len", "64")  # fmt: skip
     with caplog.at_level(logging.INFO, logger="dspark.serve"):
-        engine, *_ = serve_http.build_engine(args)
+        engine, *_ = serve_engine.build_engine(args)
     assert isinstance(engine.scheduler.policy, FixedGamma)
     assert "no confidences" in caplog.text
 
@@ -86,9 +86,9 @@ def test_drafter_checkpoint_with_temperatures_serves_them(ckpts, caplog):
     target, drafter = ckpts
     args = _args("serve", "--target", target, "--drafter", drafter["cal"], "--policy", "alg1",
                  "--num-slots", "1", "--max-len", "64")  # fmt: skip
-    assert serve_http._load(args)[6] == STS((0.5, 2.0, 1.5, 3.0))
+    assert serve_engine._load(args)[6] == STS((0.5, 2.0, 1.5, 3.0))
     with caplog.at_level(logging.INFO, logger="dspark.serve"):
-        engine, *_ = serve_http.build_engine(args)
+        engine, *_ = serve_engine.build_engine(args)
     assert isinstance(engine.scheduler.policy, CausalGreedy)
     assert "confidence_temperatures" in caplog.text and "uncalibrated" not in caplog.text
 
@@ -105,7 +105,7 @@ def test_max_len_defaults_to_the_context_and_the_drafter_window_narrows(ckpts, t
     target, drafter = ckpts
     args = _args("serve", "--target", target, "--drafter", drafter["dflash"], "--num-slots", "1",
                  "--drafter-context-window", "16")  # fmt: skip
-    engine, *_ = serve_http.build_engine(args)
+    engine, *_ = serve_engine.build_engine(args)
     assert engine.token_limit == engine.tcfg.max_position_embeddings == 512
     assert engine.dcfg.context_window == 16
     # a drafter trained with a window of 8 is refused a wider one, in one line
@@ -152,7 +152,7 @@ def test_export_writes_a_drafter_that_serves_with_its_calibration(ckpts, tmp_pat
     assert str(out) in capsys.readouterr().out
     assert load_hf_drafter_extras(out) == (STS((0.75, 1.5, 2.5, 4.0)), tid)
     args = _args("serve", "--target", target, "--drafter", str(out))
-    *_, dparams, sts, _, _, _ = serve_http._load(args)
+    *_, dparams, sts, _, _, _ = serve_engine._load(args)
     assert sts == STS((0.75, 1.5, 2.5, 4.0))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(dparams)):
         assert (a == b).all()

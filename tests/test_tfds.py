@@ -104,7 +104,7 @@ def test_prompts_auto_and_errors(data_dir):
 
 def test_pipeline_reads_data_tfds(data_dir, tmp_path):
     """`--set data.tfds=name:split` reaches the pipeline's training conversations."""
-    from dspark_jax.pipeline_config import DataStage, PipelineConfig, apply_overrides
+    from dspark_jax.config.pipeline import DataStage, PipelineConfig, apply_overrides
     from dspark_jax.run.pipeline import Pipeline
 
     cfg = PipelineConfig(run_dir=str(tmp_path / "run"), data=DataStage(tfds_data_dir=data_dir))
@@ -121,7 +121,7 @@ def test_regeneration_reads_only_the_rows_it_answers(data_dir, tmp_path):
     the requests of reading everything."""
     import json
 
-    from dspark_jax.pipeline_config import DataStage, PipelineConfig, apply_overrides
+    from dspark_jax.config.pipeline import DataStage, PipelineConfig, apply_overrides
     from dspark_jax.run.pipeline import Pipeline
     from dspark_jax.train.data import count_jsonl_rows, read_conversation_rows
 
@@ -153,7 +153,7 @@ def test_regeneration_reads_only_the_rows_it_answers(data_dir, tmp_path):
 def test_data_tfds_is_part_of_the_stage_keys(data_dir, tmp_path):
     """Another dataset, split or field, or the same dataset rebuilt, re-runs the target and all
     that follows (never a silent reuse); the same settings give the same keys."""
-    from dspark_jax.pipeline_config import DataStage, PipelineConfig, apply_overrides
+    from dspark_jax.config.pipeline import DataStage, PipelineConfig, apply_overrides
     from dspark_jax.run.pipeline import STAGES, Pipeline
 
     base = PipelineConfig(run_dir=str(tmp_path / "run"), data=DataStage(tfds_data_dir=data_dir))

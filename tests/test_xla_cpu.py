@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax import xla_cpu
+from dspark_jax.runtime import xla_cpu
 from dspark_jax.train import lm, steps
 
 BAD = {xla_cpu.OPTION: "NOT_A_FUSION_TYPE"}  # XLA rejects it at compile time
@@ -164,7 +164,7 @@ def test_the_serving_engines_programs_are_compiled_with_its_option(monkeypatch, 
 _THREEFRY_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from dspark_jax import xla_cpu
+from dspark_jax.runtime import xla_cpu
 from dspark_jax.spec import sampling as S
 
 def draws():

@@ -19,8 +19,8 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
+# run as a script, its own folder (tests/: toy_train) is importable; the callers put the
+# repository on PYTHONPATH
 
 
 def kill_config():

@@ -1,5 +1,5 @@
 """What `train.py` and `serve.py` share: the user-facing error types and their one-line report,
-and the runtime start-up (dspark_jax/runtime.py) printed once.
+and the runtime start-up (dspark_jax/runtime/) printed once.
 
 A user mistake (bad config value, missing or malformed file, corrupt checkpoint, invalid sampling
 knob, a request that does not fit) ends the process with exit code 2 and one line on stderr,
@@ -14,7 +14,8 @@ import signal
 import sys
 import traceback
 
-from dspark_jax import runtime, xla_cpu
+from dspark_jax import runtime
+from dspark_jax.runtime import compile_cache, xla_cpu
 
 EXIT_USER_ERROR = 2
 
@@ -55,7 +56,7 @@ def start_runtime(*, announce: bool = True) -> None:
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     runtime.patient_cpu_collectives()
-    cache = runtime.enable_compilation_cache()
+    cache = compile_cache.enable_compilation_cache()
     threefry = xla_cpu.unrolled_threefry()
     if announce:
         print(runtime.describe(cache, threefry), flush=True)

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from dspark_jax.cli import serve_http
-from dspark_jax.cli.common import positive_int, report, start_runtime, user_errors
-from dspark_jax.launch import add_distributed_flags, init_distributed
+from dspark_jax.cli.common import positive_int, start_runtime
+from dspark_jax.launch import add_distributed_flags
 
 
 def parser() -> argparse.ArgumentParser:
@@ -60,71 +59,11 @@ def main(argv=None) -> int:
     start_runtime()  # warm-up compiles every bucket; a restart reads them back
     if args.cmd in ("serve", "export"):
         return serve_http.run(args)
-    return generate(args)
+    # heavy: the engine, orbax, transformers: 1.0-1.7 s to import with jax loaded (python -X
+    # importtime, 2-core machine); `serve.py --help` and `bench` never pay it
+    from dspark_jax.cli import serve_engine
 
-
-def generate(args) -> int:
-    """`serve.py generate`: decode the prompts speculatively and print them with τ."""
-    # loaded here, after the flags are parsed: models, jax and transformers (~2.5 s)
-    from dspark_jax.engine.sharding import mesh_from_flag
-    from dspark_jax.run.rundir import RunDir
-    from dspark_jax.spec.sampling import validate_sampling_params
-    from dspark_jax.templates import encode_prompt
-
-    try:
-        # the knobs and the policy's inputs are checked before any model is loaded
-        validate_sampling_params(args.temperature, args.top_k, args.top_p)
-        init_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed)
-        run = RunDir(args.run_dir, mesh=mesh_from_flag(args.mesh))
-        policy = _policy(args, run)
-        tok = run.tokenizer()
-        prompts = [encode_prompt(tok, p).tolist() for p in args.prompt]
-        dec = run.decoder_for(args.drafter, [len(p) for p in prompts], args.max_new_tokens,
-                              context_window=args.drafter_context_window)  # fmt: skip
-        if policy:
-            name, kw = policy
-            dec.set_policy(name, **kw)
-        t0 = time.perf_counter()
-        res = dec.generate(
-            prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, seeds=[args.seed + i for i in range(len(prompts))],
-            stop_ids=run.stop_ids(),
-        )  # fmt: skip
-        dt = time.perf_counter() - t0
-    except user_errors() as e:
-        return report(e, args.debug)
-    for p, r in zip(args.prompt, res):
-        text = tok.decode(r.tokens, skip_special_tokens=True)
-        tau = (sum(r.num_accepted) + len(r.num_accepted) - sum(r.eos)) / max(len(r.num_accepted), 1)
-        print(
-            f">>> {p}\n{text}\n[{len(r.tokens)} tokens, {len(r.num_accepted)} rounds, τ={tau:.2f}]"
-        )
-    print(f"[{sum(len(r.tokens) for r in res) / dt:.1f} tokens/s incl. compilation]")
-    return 0
-
-
-def _policy(args, run):
-    """The verification policy as `(name, kwargs)` for the decoder's `set_policy`, or None for
-    fixed γ (the engine's default); its inputs are checked before the decoder is built."""
-    # jax: imported after the flags are parsed (serve.py imports this module before its re-run)
-    from dspark_jax.compat import check_threshold, load_cost_profile
-    from dspark_jax.sched.sts import STS
-
-    if args.policy == "fixed":
-        return None
-    if args.drafter != "dspark":
-        raise ValueError(f"--policy {args.policy} needs confidences: use --drafter dspark")
-    sts = run.sts("dspark") or STS.identity(run.config.drafters.block_size)
-    if args.policy == "threshold":
-        check_threshold(args.threshold, "--threshold")
-        return "threshold", dict(threshold=args.threshold, sts=sts)
-    cost = load_cost_profile(args.cost_profile) if args.cost_profile else run.cost_profile()
-    if cost is None:
-        raise ValueError(
-            f"--policy dspark needs a cost profile — pass --cost-profile FILE or put one at "
-            f"{run.cost_profile_path()} (benchmarks/decode_cost.py writes it)"
-        )
-    return "alg1", dict(cost_profile=cost, sts=sts)
+    return serve_engine.generate(args)
 
 
 if __name__ == "__main__":

@@ -32,14 +32,8 @@ from collections.abc import Iterator
 from pydoc_data.topics import topics as pydoc_topics
 from typing import Any
 
-from dspark_jax.demo.corpus_config import (
-    CORPUS_VERSION,
-    DOMAINS,
-    CorpusConfig,
-    CorpusFiles,
-    _rng,
-    _split_sources,
-)
+from dspark_jax.config.corpus import CorpusConfig
+from dspark_jax.demo.corpus_common import CORPUS_VERSION, DOMAINS, CorpusFiles, _rng, _split_sources
 from dspark_jax.demo.corpus_math import MATH_TEMPLATES, math_chats, math_problem
 from dspark_jax.demo.corpus_sources import code_chats, prose_chats, stdlib_files
 from dspark_jax.io import atomic_write

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from dspark_jax.demo.corpus_config import _rng
+from dspark_jax.demo.corpus_common import _rng
 from dspark_jax.train.data import Conversation
 
 # ------------------------------------------------------------------------------------------------

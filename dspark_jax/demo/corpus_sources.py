@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from pydoc_data.topics import topics as pydoc_topics
 
-from dspark_jax.demo.corpus_config import CorpusConfig, _cut_text, _rng
+from dspark_jax.config.corpus import CorpusConfig
+from dspark_jax.demo.corpus_common import _cut_text, _rng
 from dspark_jax.train.data import Conversation
 
 # Directories under the stdlib never used: tests, third-party packages, data-only or generated code.

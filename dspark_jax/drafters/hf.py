@@ -63,7 +63,8 @@ from dspark_jax.models.hf import (
     to_host,
     weight_files,
 )
-from dspark_jax.models.hf_gemma4 import FULL, gemma4_text_config_dict, is_gemma4
+from dspark_jax.models.hf_config import gemma4_text_config_dict
+from dspark_jax.models.hf_gemma4 import FULL, is_gemma4
 from dspark_jax.sched.sts import STS
 
 _ARCH_PREFIX = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama", "gemma4": "Gemma4"}

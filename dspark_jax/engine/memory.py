@@ -23,7 +23,9 @@ from typing import ClassVar
 import jax
 import numpy as np
 
+from dspark_jax import parallel
 from dspark_jax.errors import ConfigError
+from dspark_jax.models import transformer as tf
 from dspark_jax.train.memory import (
     GIB,
     HEADROOM,
@@ -93,7 +95,6 @@ def _param_bytes(params, mesh, seen: set | None = None) -> int:
                 seen.add(id(x))
                 total += math.prod(x.shape) * np.dtype(x.dtype).itemsize
         return total
-    from dspark_jax import parallel
 
     return sharded_bytes(params, parallel.param_shardings(params, mesh))
 
@@ -158,9 +159,6 @@ def plan_decode_memory(tcfg, tparams, rows: int, cache_len: int,
                        device_memory_gib: float = 0.0) -> DecodeMemoryPlan:  # fmt: skip
     """The plan of `models.generate` on `rows` rows of up to `cache_len` positions (prompts
     up to that long), on the mesh `tparams` are placed on (none: one device)."""
-    from dspark_jax import parallel
-    from dspark_jax.models import transformer as tf
-
     leaf = jax.tree.leaves(tparams)[0]
     mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
     mesh = mesh if mesh is not None and mesh.size > 1 else None

@@ -27,9 +27,11 @@ import numpy as np
 from dspark_jax.engine import paged_device as pdev
 from dspark_jax.engine.config import sampling_rows
 from dspark_jax.engine.device import PrefillInputs
+from dspark_jax.engine.paged_rounds import paged_rounds
 from dspark_jax.engine.pages import PagePool
 from dspark_jax.engine.programs import EnginePrograms, _jitted
 from dspark_jax.engine.requests import RequestParams
+from dspark_jax.engine.sharding import paged_state_shardings
 from dspark_jax.engine.slots import Request, SlotTable
 from dspark_jax.engine.stepping import RoundRunner
 
@@ -51,13 +53,9 @@ class PagedPrograms(EnginePrograms):
         return lambda: pdev.init_paged_state(tcfg, dcfg, c.num_slots, c.num_pages, c.page_size)
 
     def _state_shardings(self, abstract_state, mesh):
-        from dspark_jax.engine.sharding import paged_state_shardings
-
         return paged_state_shardings(abstract_state, mesh)
 
     def _jit_programs(self, state_sh, repl):
-        from dspark_jax.engine.paged_rounds import paged_rounds
-
         return _jitted(state_sh, repl, (pdev.paged_prefill_chunk, pdev.paged_round, paged_rounds))
 
     def round(self, state, inputs, *, mode: str, num_tokens: int, cache_len: int):

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import parallel
 from dspark_jax.engine import device as dev
 from dspark_jax.engine import rounds as rounds_lib
 from dspark_jax.engine.config import SAMPLING, EngineConfig, sampling_rows
@@ -39,7 +40,8 @@ from dspark_jax.engine.flat import FlatParams, flat_jit
 from dspark_jax.engine.memory import check_engine_memory, plan_engine_memory
 from dspark_jax.engine.requests import RequestParams
 from dspark_jax.engine.rounds import RoundsInputs, RoundsSpec
-from dspark_jax.xla_cpu import engine_compiler_options
+from dspark_jax.engine.sharding import place_params, state_shardings
+from dspark_jax.runtime.xla_cpu import engine_compiler_options
 
 Timer = Callable[[str, float, object], None]
 Fault = Callable[[str, Callable[[], tuple]], tuple]
@@ -87,8 +89,6 @@ class EnginePrograms:
         if mesh is None:
             state_sh = repl = jax.sharding.SingleDeviceSharding(_default_device())
         else:
-            from dspark_jax import parallel
-
             state_sh = self._state_shardings(abstract, mesh)
             repl = parallel.replicated(mesh)
         # planned (and refused when it cannot fit) before anything is placed or created
@@ -96,8 +96,6 @@ class EnginePrograms:
                                               mesh)  # fmt: skip
         check_engine_memory(self.memory_plan, config)
         if mesh is not None:
-            from dspark_jax.engine.sharding import place_params
-
             tparams, dparams = place_params(tparams, mesh), place_params(dparams, mesh)
         self.tparams, self.dparams = tparams, dparams
         self._state_sh = state_sh
@@ -123,8 +121,6 @@ class EnginePrograms:
 
     def _state_shardings(self, abstract_state, mesh):
         """The state's NamedShardings on `mesh` (a subclass's layout overrides it)."""
-        from dspark_jax.engine.sharding import state_shardings
-
         return state_shardings(abstract_state, mesh)
 
     def _jit_programs(self, state_sh, repl):

@@ -43,11 +43,12 @@ import numpy as np
 from dspark_jax.compat import check_cost_profile, check_drafter_dtype
 from dspark_jax.drafters.api import narrow_context_window, share_target_tables
 from dspark_jax.drafters.compat import check_fits
-from dspark_jax.engine import faults
+from dspark_jax.engine import faults, paged_engine
 from dspark_jax.engine.commit import Committer, EngineCounters
 from dspark_jax.engine.compiles import CompileTally
 from dspark_jax.engine.config import MODES, EngineConfig
 from dspark_jax.engine.driving import BackgroundLoop, params_from_knobs
+from dspark_jax.engine.paged_engine import PagedRunner, split_resumed
 from dspark_jax.engine.programs import EnginePrograms
 from dspark_jax.engine.requests import Delta, QueueFull, RequestHandle, RequestParams
 from dspark_jax.engine.scheduling import Scheduler
@@ -116,8 +117,6 @@ class ServingEngine:
         tcfg, tparams, dparams = _engine_params(tcfg, tparams, dparams)
         self.config = config
         if config.kv_layout == "paged":  # K/V in page pools (engine.paged_engine)
-            from dspark_jax.engine import paged_engine
-
             self.programs, self.slots = paged_engine.paged_objects(
                 tcfg, dcfg, tparams, dparams, config, mesh
             )
@@ -130,8 +129,6 @@ class ServingEngine:
                                     keep_conf=dcfg.kind == "dspark")  # fmt: skip
         sched = _scheduler(config, dcfg, policy, gamma, threshold, cost_profile, sts)
         if self._paged:
-            from dspark_jax.engine.paged_engine import PagedRunner
-
             self._runner = PagedRunner(config, self.programs, sched)
         else:
             self._runner = RoundRunner(config, self.programs, sched)
@@ -179,7 +176,7 @@ class ServingEngine:
     @property
     def compilations_from_cache(self) -> int:
         """Of `compilations`, those the persistent compilation cache served (read, not
-        compiled; `dspark_jax.runtime.enable_compilation_cache`)."""
+        compiled; `dspark_jax.runtime.compile_cache`)."""
         return self._tally.cache_hits
 
     @property
@@ -328,8 +325,6 @@ class ServingEngine:
             kept = [(r, f) for r, f in kept if not r.done]
             admitted, firsts = [r for r, _ in kept], [f for _, f in kept]
             if self._paged:  # resumed requests emitted their anchor already
-                from dspark_jax.engine.paged_engine import split_resumed
-
                 admitted, firsts = split_resumed(admitted, firsts, self.slots)
             return deltas + self._committer.admitted(admitted, firsts)
 

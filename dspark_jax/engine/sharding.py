@@ -24,14 +24,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from dspark_jax import parallel
 from dspark_jax.config import MeshConfig
+from dspark_jax.errors import ConfigError
 
 
 def mesh_from_flag(text: str) -> Mesh | None:
     """`--mesh data,fsdp,tensor` (e.g. "1,1,8" = tensor parallelism over 8 devices; data may be
     -1 = the rest). Empty: every device in data parallel on an accelerator with several, else
     None (one device, no mesh; simulated CPU devices are not used unless asked for)."""
-    from dspark_jax.errors import ConfigError
-
     if not text:
         several = jax.device_count() > 1 and jax.default_backend() != "cpu"
         return parallel.make_mesh(MeshConfig()) if several else None

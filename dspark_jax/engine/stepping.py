@@ -32,6 +32,7 @@ from dspark_jax.engine.requests import RequestParams
 from dspark_jax.engine.rounds import RoundsInputs
 from dspark_jax.engine.scheduling import Scheduler
 from dspark_jax.engine.slots import Request
+from dspark_jax.sched.policies import FixedGamma, StaticThreshold
 
 
 def _first(chunk_firsts, conf) -> tuple[int, object]:
@@ -169,8 +170,6 @@ class RoundRunner:
         """(gamma_p, use_threshold, cuts) when rounds run on the device, else None: the engine
         was built with rounds_per_call > 1 and the policy is fixed γ / MTP-1 / static threshold
         (Algorithm 1 and async top-K schedule on the host, one round per call)."""
-        from dspark_jax.sched.policies import FixedGamma, StaticThreshold
-
         pol = self.scheduler.policy
         g = self.config.gamma
         if self.config.rounds_per_call <= 1:

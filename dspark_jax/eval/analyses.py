@@ -217,7 +217,7 @@ def reliability_bins(results: list, temperatures=None, n_bins: int = 20) -> dict
 
 
 def plot_reliability(rel: dict, path) -> bool:
-    plt = _plt()
+    plt = pyplot()
     if plt is None or not rel:
         return False
     pos = [p for p in rel["positions"] if p["k"] in (1, 3, 5, 7)] or rel["positions"][:4]
@@ -364,7 +364,7 @@ def markdown_policies(rep: dict) -> list[str]:
 
 def plot_analyses(sweep: dict, policies: dict, path) -> bool:
     """θ sweep (τ and verify rate) and τ / target tokens per round per policy."""
-    plt = _plt()
+    plt = pyplot()
     if plt is None or "pooled" not in sweep:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -393,12 +393,14 @@ def plot_analyses(sweep: dict, policies: dict, path) -> bool:
     return True
 
 
-def _plt():
-    try:  # 0.7 s to import (measured): only the report's figures need it
+def pyplot():
+    """`matplotlib.pyplot` drawing to files (the Agg backend), or None without matplotlib."""
+    try:
+        # heavy: 0.5 s to import with jax loaded (python -X importtime); only the figures need it
         import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        matplotlib.use("Agg")  # chosen when a figure is drawn, not when this module is imported
+        import matplotlib.pyplot as plt  # after the backend is chosen (the line above)
     except ImportError:
         return None
     return plt

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dspark_jax.engine import RequestOutput, ServingEngine
+from dspark_jax.eval.analyses import pyplot
 from dspark_jax.spec.metrics import acceptance_stats
 
 
@@ -210,12 +211,8 @@ def _pooled_curve(per_ds: dict, key: str) -> list:
 
 def plot_report(table: dict, per_drafter: dict, path) -> bool:
     """τ bars per dataset and conditional-acceptance curves; False if matplotlib is missing."""
-    try:  # 0.7 s to import (measured): only the report's figures need it
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     drafter_names = list(table["tau"])
     datasets = list(next(iter(table["tau"].values()))["datasets"])

@@ -56,8 +56,8 @@ from dspark_jax.engine.flat import flat_jit
 from dspark_jax.errors import ConfigError
 from dspark_jax.models.generate import generate
 from dspark_jax.models.packed import packed_forward
+from dspark_jax.runtime.xla_cpu import engine_compiler_options
 from dspark_jax.testing import CompileCounter
-from dspark_jax.xla_cpu import engine_compiler_options
 
 VERIFY_TOKENS = (1, 2, 4, 8, 16)
 FORWARD_LOOP = 16  # verify forwards per timed call (the time reported is per forward)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax import parallel
 from dspark_jax.buckets import bucket_up, pow2_bucket
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import RequestError
@@ -169,8 +170,6 @@ def on_params_mesh(cache: tf.KVCache, params) -> tf.KVCache:
     """`cache` constrained to `parallel.cache_shardings` on the mesh the params are placed on
     (traced: their abstract mesh): rows over (data, fsdp), K/V heads over tensor, as the
     serving engine's; unchanged on one device."""
-    from dspark_jax import parallel
-
     mesh = jax.typeof(jax.tree.leaves(params)[0]).sharding.mesh
     if not mesh.axis_names or mesh.size == 1:
         return cache

@@ -66,12 +66,12 @@ from dspark_jax.models.decoding import (
 )
 from dspark_jax.models.generate_queue import run_queue
 from dspark_jax.models.validate import check_request_fits
+from dspark_jax.runtime.xla_cpu import batch1_decode_compiler_options, engine_compiler_options
 from dspark_jax.spec.sampling import (
     SamplingConfig,
     SamplingParams,
     validate_sampling_params,
 )
-from dspark_jax.xla_cpu import batch1_decode_compiler_options, engine_compiler_options
 
 __all__ = [
     "DEFAULT_BATCH_BUCKETS",

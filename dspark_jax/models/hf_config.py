@@ -11,7 +11,7 @@ from typing import Any
 
 from dspark_jax.config import RopeScaling, TargetConfig, default_target_layer_ids
 from dspark_jax.errors import CheckpointError, ConfigError
-from dspark_jax.models.hf_gemma4 import gemma4_config, is_gemma4
+from dspark_jax.models.hf_gemma4 import FULL, gemma4_config, is_gemma4
 
 _HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _HF_ARCH = {v: k for k, v in _HF_CLASS.items()}
@@ -195,4 +195,47 @@ def hf_config_dict(cfg: TargetConfig, dtype: str | None = None) -> dict[str, Any
         d["mlp_bias"] = False
     else:
         d["use_sliding_window"] = False
+    return d
+
+
+def gemma4_text_config_dict(cfg: TargetConfig, dtype: str | None = None) -> dict[str, Any]:
+    """The HF `Gemma4TextConfig` fields of `cfg` (the inverse of `gemma4_config`): the global
+    layers' geometry as `global_head_dim` / `num_global_key_value_heads` (the released
+    configs' keys), or as `per_layer_config` where K/V heads differ without K = V."""
+    g = cfg.gemma
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": g.global_rope_theta}
+    if (g.global_rope_fraction, g.global_rope_factor) != (1.0, 1.0):
+        full.update(rope_type="proportional", partial_rotary_factor=g.global_rope_fraction)
+        if g.global_rope_factor != 1.0:
+            full["factor"] = g.global_rope_factor
+    moe = g.num_experts > 0
+    sliding = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    d: dict[str, Any] = {
+        **base_config_dict(
+            cfg,
+            "Gemma4ForCausalLM",
+            "gemma4_text",
+            {"sliding_attention": sliding, "full_attention": full},
+            activation=("hidden_activation", "gelu_pytorch_tanh"),
+            attention_bias=False,
+            global_head_dim=g.global_head_dim,
+            num_global_key_value_heads=g.global_kv_heads if g.k_eq_v else None,
+            attention_k_eq_v=g.k_eq_v,
+        ),
+        "sliding_window": g.sliding_window,
+        "layer_types": list(g.layer_types),
+        "final_logit_softcapping": g.final_logit_softcapping,
+        "num_kv_shared_layers": g.num_kv_shared_layers,
+        "use_double_wide_mlp": g.use_double_wide_mlp,
+        "hidden_size_per_layer_input": g.hidden_size_per_layer_input,
+        "vocab_size_per_layer_input": g.vocab_size_per_layer_input,
+        "enable_moe_block": moe,
+        "num_experts": g.num_experts if moe else None,
+        "top_k_experts": g.top_k_experts if moe else None,
+        "moe_intermediate_size": g.moe_intermediate_size if moe else None,
+        "dtype": dtype or cfg.dtype,
+    }
+    if not g.k_eq_v and g.global_kv_heads != cfg.num_kv_heads:
+        over = {"head_dim": g.global_head_dim, "num_key_value_heads": g.global_kv_heads}
+        d["per_layer_config"] = {str(i): over for i, t in enumerate(g.layer_types) if t == FULL}
     return d

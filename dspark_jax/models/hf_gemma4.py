@@ -3,8 +3,8 @@ transformers 5 `Gemma4TextConfig` fields, with its defaults where a field is abs
 our decoder (`models/gemma4.py`) does not implement is refused here, before any weight is read.
 `models.hf_config.config_from_hf` dispatches here. A multimodal checkpoint
 (`Gemma4ForConditionalGeneration`) loads its text decoder (`weights_prefix`).
-`gemma4_text_config_dict` writes a `TargetConfig` back as that text config (the drafter
-checkpoints of `drafters/hf.py` carry one)."""
+`models.hf_config.gemma4_text_config_dict` writes a `TargetConfig` back as that text config (the
+drafter checkpoints of `drafters/hf.py` carry one)."""
 
 from __future__ import annotations
 
@@ -185,48 +185,3 @@ def gemma4_config(hf: dict[str, Any], target_layer_ids, dtype: str) -> TargetCon
         dtype=dtype,
         gemma=gemma,
     )
-
-
-def gemma4_text_config_dict(cfg: TargetConfig, dtype: str | None = None) -> dict[str, Any]:
-    """The HF `Gemma4TextConfig` fields of `cfg` (the inverse of `gemma4_config`): the global
-    layers' geometry as `global_head_dim` / `num_global_key_value_heads` (the released
-    configs' keys), or as `per_layer_config` where K/V heads differ without K = V."""
-    from dspark_jax.models.hf_config import base_config_dict  # (hf_config imports this module)
-
-    g = cfg.gemma
-    full: dict[str, Any] = {"rope_type": "default", "rope_theta": g.global_rope_theta}
-    if (g.global_rope_fraction, g.global_rope_factor) != (1.0, 1.0):
-        full.update(rope_type="proportional", partial_rotary_factor=g.global_rope_fraction)
-        if g.global_rope_factor != 1.0:
-            full["factor"] = g.global_rope_factor
-    moe = g.num_experts > 0
-    sliding = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    d: dict[str, Any] = {
-        **base_config_dict(
-            cfg,
-            "Gemma4ForCausalLM",
-            "gemma4_text",
-            {"sliding_attention": sliding, "full_attention": full},
-            activation=("hidden_activation", "gelu_pytorch_tanh"),
-            attention_bias=False,
-            global_head_dim=g.global_head_dim,
-            num_global_key_value_heads=g.global_kv_heads if g.k_eq_v else None,
-            attention_k_eq_v=g.k_eq_v,
-        ),
-        "sliding_window": g.sliding_window,
-        "layer_types": list(g.layer_types),
-        "final_logit_softcapping": g.final_logit_softcapping,
-        "num_kv_shared_layers": g.num_kv_shared_layers,
-        "use_double_wide_mlp": g.use_double_wide_mlp,
-        "hidden_size_per_layer_input": g.hidden_size_per_layer_input,
-        "vocab_size_per_layer_input": g.vocab_size_per_layer_input,
-        "enable_moe_block": moe,
-        "num_experts": g.num_experts if moe else None,
-        "top_k_experts": g.top_k_experts if moe else None,
-        "moe_intermediate_size": g.moe_intermediate_size if moe else None,
-        "dtype": dtype or cfg.dtype,
-    }
-    if not g.k_eq_v and g.global_kv_heads != cfg.num_kv_heads:
-        over = {"head_dim": g.global_head_dim, "num_key_value_heads": g.global_kv_heads}
-        d["per_layer_config"] = {str(i): over for i, t in enumerate(g.layer_types) if t == FULL}
-    return d

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
+from dspark_jax import runtime
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import CheckpointError
 
@@ -14,15 +15,9 @@ def quiet_transformers():
     """`import transformers` without its advisory "PyTorch was not found" line: we only use its
     tokenizers, never its models. Only that import is quieted; later warnings are untouched."""
     if "transformers" not in sys.modules:
-        old = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
-        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
-        try:
+        with runtime.environ_set("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"):
+            # here: inside the quieted environment (the advisory is printed at import time)
             import transformers  # noqa: F401
-        finally:
-            if old is None:
-                del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
-            else:
-                os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = old
     return sys.modules["transformers"]
 
 

@@ -10,19 +10,21 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from dspark_jax.errors import ConfigError
 from dspark_jax.models.transformer import param_count
 from dspark_jax.run.regenerate_stage import regen_target
 from dspark_jax.train.data import encode_conversations, process_block
+from dspark_jax.train.features import write_feature_cache
+from dspark_jax.train.host_data import HostShards, HostTable, gather_hosts
 from dspark_jax.train.memory import resolve_dtypes
+from dspark_jax.train.trainer import Trainer
 
 
 def run_drafters(p) -> dict:
     """The drafters stage's body: every drafter trained on the regenerated conversations, with
     the target's features online or from offline caches (one per run, or one per process)."""
-    from dspark_jax.train.trainer import Trainer
-
     d = p.cfg.drafters
     tcfg, tparams = p.target()
     tok = p.tokenizer()
@@ -36,8 +38,6 @@ def run_drafters(p) -> dict:
     if per_host and offline:  # each process computes the features of its own rows
         train_s, eval_s = _host_feature_caches(p, feature_dir, samples)
     elif per_host:  # online: the one-process run's batches, gathered on the mesh
-        from dspark_jax.train.host_data import HostTable
-
         table = HostTable.of(p.mesh, [samples])
         n_eval = max(d.train.global_batch_size, table.size // d.eval_one_in)
         eval_s = table.source(np.arange(min(n_eval, table.size)))
@@ -78,8 +78,6 @@ def run_drafters(p) -> dict:
     if mine.is_dir():
         shutil.rmtree(mine)
     if per_host and offline:  # every process's caches are gone before the folder goes
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices("feature caches removed")
         if jax.process_index() == 0 and feature_dir.is_dir():
             feature_dir.rmdir()
@@ -91,8 +89,6 @@ def _host_feature_caches(p, out, samples):
     and the rest of its block; every process holds out its share of the one-process
     count), their features computed by its own copy of the target on its local devices
     (as regeneration runs) into its own caches, read as `host_data.HostShards`."""
-    from dspark_jax.train.host_data import HostShards, gather_hosts
-
     d, k, n = p.cfg.drafters, jax.process_index(), jax.process_count()
     total = int(gather_hosts(np.asarray([len(samples)], np.int64)).sum())
     n_eval = len(process_block(max(d.train.global_batch_size, total // d.eval_one_in), k, n))
@@ -108,8 +104,6 @@ def _feature_caches(p, out, tcfg, tparams, train_s, eval_s, local=False):
     """The target's features of the training and held-out samples, computed once
     (`train.features`, in the target's training dtype; resumed after an interruption)
     and read by every drafter's Trainer instead of running the target in each step."""
-    from dspark_jax.train.features import write_feature_cache
-
     t = resolve_dtypes(p.cfg.drafters.train)
     t0 = time.perf_counter()
     kw = dict(buckets=t.seq_buckets, batch_size=t.micro_batch_size, dtype=t.target_dtype)

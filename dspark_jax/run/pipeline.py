@@ -3,11 +3,9 @@ calibrate → evaluate (one `_stage_<name>` method each; the longest bodies are 
 `run/regenerate_stage.py`, `run/drafters_stage.py` and `run/evaluate_stage.py`). Caching, cache
 keys and the run directory's versions are `dspark_jax.run.staged.StagedRun`'s; loading is `RunDir`'s.
 
-The trainers (train.lm, train.trainer, train.features: optax and orbax) and the evaluation
-(eval/, engine/) are imported inside the stages that run them, on purpose: with jax already
-loaded they cost 0.3-0.9 s each to import on the 2-core machine (measured: train.trainer 0.87 s,
-train.lm 0.83 s, eval.offline 0.64 s, train.features 0.31 s), and a run whose stages are cached,
-or a single `--stages`, should not pay for modules it never runs.
+`train.py` imports this module once the configuration is checked (cli/train.py); with jax, the
+engine and the runs' modules loaded by then, the trainers and the evaluation add 0.5-0.8 s
+(python -X importtime, 2-core machine), so they are imported here at the top.
 """
 
 from __future__ import annotations
@@ -21,12 +19,13 @@ import numpy as np
 from dspark_jax import parallel
 from dspark_jax.demo.corpus import build_corpus
 from dspark_jax.errors import ConfigError
+from dspark_jax.eval.offline import EvalDataset, calibration_pairs, run_dataset
 from dspark_jax.io import write_json_atomic
 from dspark_jax.models.hf import save_target_hf
 from dspark_jax.models.transformer import param_count
-from dspark_jax.run import drafters_stage, regenerate_stage
+from dspark_jax.run import drafters_stage, evaluate_stage, regenerate_stage
 from dspark_jax.run.staged import STAGES, StagedRun
-from dspark_jax.run.validate import validate_mesh
+from dspark_jax.run.validate_inputs import validate_mesh
 from dspark_jax.sched.sts import fit_sts
 from dspark_jax.spec.metrics import reliability_from_logits
 from dspark_jax.templates import RenderConfig, encode_prompt
@@ -40,6 +39,8 @@ from dspark_jax.train.data import (
     read_prompts,
 )
 from dspark_jax.train.data_tfds import count_tfds_examples, parse_tfds_spec, read_tfds
+from dspark_jax.train.host_data import HostTable, per_host_layout
+from dspark_jax.train.lm import train_lm
 from dspark_jax.train.tokenizer import train_tokenizer
 
 
@@ -176,7 +177,6 @@ class Pipeline(StagedRun):
         data / fsdp axes (`host_data.per_host_layout`); else every process reads everything."""
         if jax.process_count() == 1:
             return False
-        from dspark_jax.train.host_data import per_host_layout
 
         return per_host_layout(self.mesh)
 
@@ -185,7 +185,6 @@ class Pipeline(StagedRun):
         if c.target.path:
             tcfg, _ = self.target()
             return {"source": c.target.path, "params": param_count(self.target()[1])}
-        from dspark_jax.train.lm import train_lm
 
         t = c.target
         tok = self.tokenizer()
@@ -221,8 +220,6 @@ class Pipeline(StagedRun):
         """(held-out, training) windows and the training tokens of a per-host run: this process
         reads and tokenizes only its block of each source; the windows are the one-process
         run's (`host_data.HostTable`)."""
-        from dspark_jax.train.host_data import HostTable
-
         t = self.cfg.target
         shard = (jax.process_index(), jax.process_count())
         sources = [encode_conversations(tok, got, rc)[0]
@@ -347,8 +344,6 @@ class Pipeline(StagedRun):
     def decode_calibration(self, kind: str, prompts, seeds):
         """Decode `prompts` with drafter `kind` as the calibrate stage does (fixed block, the
         evaluation temperature, one lean decoder) once per seed: ([results per seed], γ)."""
-        from dspark_jax.eval.offline import EvalDataset, run_dataset
-
         c, e = self.cfg.calibrate, self.cfg.evaluate
         dec = self.rundir.decoder_for(kind, [len(p) for p in prompts], c.max_new_tokens, lean=True)
         ds = EvalDataset("calibration", "mixed", tuple(prompts))
@@ -357,8 +352,6 @@ class Pipeline(StagedRun):
         return [run_dataset(dec, ds, seed=seed, **kw) for seed in seeds], dec.dcfg.block_size
 
     def _stage_calibrate(self):
-        from dspark_jax.eval.offline import calibration_pairs
-
         if "dspark" not in self.cfg.drafters.kinds:
             return {"skipped": "no dspark drafter"}
         c = self.cfg.calibrate
@@ -379,8 +372,6 @@ class Pipeline(StagedRun):
         }
 
     def _stage_evaluate(self):
-        from dspark_jax.run import evaluate_stage  # eval/ and engine/ (module docstring)
-
         return evaluate_stage.run_evaluate(self)
 
 

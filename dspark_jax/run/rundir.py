@@ -14,9 +14,8 @@ stored as absolute paths in `config.json` by the pipeline.
 
 Loaded objects are cached on the instance (a run directory is read once per process).
 
-Imports of eval/, engine/, models.hf (transformers) and orbax sit inside the functions that
-use them, on purpose: each costs 1.2-2.5 s to import on the 2-core machine (measured), and a
-CLI's config error or a cached stage should not pay for modules it never runs.
+Importing this module imports jax, the models and the engine: the CLIs import it only once their
+flags and configuration are checked (cli/serve_engine.py, run/staged.py).
 """
 
 from __future__ import annotations
@@ -29,14 +28,18 @@ from typing import Any
 from dspark_jax import drafters as dr
 from dspark_jax.compat import check_sts, load_cost_profile
 from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.config.pipeline import PipelineConfig
 from dspark_jax.drafters.compat import TargetId, vocab_hash
 from dspark_jax.drafters.hf import save_hf_drafter
+from dspark_jax.engine import ServingEngine
+from dspark_jax.engine.serving import MODES
 from dspark_jax.errors import CheckpointError, ConfigError, RequestError
 from dspark_jax.models.hf import load_target, load_tokenizer
 from dspark_jax.parallel import shard_params
-from dspark_jax.pipeline_config import PipelineConfig
 from dspark_jax.sched.sts import STS
 from dspark_jax.storage import as_path, copy_tree, is_url, local_copy
+from dspark_jax.train.checkpoint import load_best_params
+from dspark_jax.train.memory import resolve_dtypes
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 # prompt-length buckets of the evaluation / generation decoder (those below max_len are used)
@@ -171,8 +174,6 @@ class RunDir:
     def target_dtype(self) -> str:
         """The dtype the target is loaded and decoded in: the run's `drafters.train.target_dtype`
         ("auto": bfloat16 on GPU / TPU, float32 on CPU), as the drafters were trained against."""
-        from dspark_jax.train.memory import resolve_dtypes
-
         return resolve_dtypes(self.config.drafters.train).target_dtype
 
     # -- drafters ---------------------------------------------------------------------------
@@ -213,8 +214,6 @@ class RunDir:
             raise ConfigError(f"unknown drafter kind {kind!r} — use one of {DRAFTER_KINDS}")
         key = f"drafter_{kind}"
         if key not in self._cache:
-            from dspark_jax.train.checkpoint import load_best_params  # orbax: 0.41 s (measured)
-
             best = self.drafter_dir(kind) / "best"
             if kind not in self.config.drafters.kinds or not best.is_dir():
                 trained = [k for k in self.config.drafters.kinds if self.has_drafter(k)]
@@ -301,10 +300,6 @@ class RunDir:
         `token_buckets` (default: powers of two up to slots x (γ + 1)) and the compiled sampling
         `modes` (default: all) are the engine's; `context_window` narrows the drafter's
         (None: as trained)."""
-        # the engine: 0.47 s to import (measured), for the consumers that decode
-        from dspark_jax.engine import ServingEngine
-        from dspark_jax.engine.serving import MODES
-
         ctx = self.context_len()
         tokens = min(self.config.evaluate.max_len or ctx, ctx)
         max_len = max_len or tokens + self.config.drafters.block_size + 1  # + γ + 1 lookahead

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import shutil
 import sys
 import time
@@ -30,13 +29,15 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
+from dspark_jax import runtime
+from dspark_jax.config.pipeline import STAGES, PipelineConfig, absolute_paths
 from dspark_jax.errors import ConfigError
 from dspark_jax.io import FileHasher, canonical_hash, write_json_atomic
-from dspark_jax.pipeline_config import STAGES, PipelineConfig, absolute_paths
 from dspark_jax.run.eta import PipelineEta
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.run.store import StageStore
-from dspark_jax.run.validate import check_stage_names, validate_config, validate_inputs
+from dspark_jax.run.validate import check_stage_names, validate_config
+from dspark_jax.run.validate_inputs import validate_inputs
 from dspark_jax.storage import as_path, copy_tree, is_url, local_copy
 from dspark_jax.train.data_tfds import tfds_source
 
@@ -209,7 +210,7 @@ class StagedRun:
     def scratch_dir(self, stage: str, key: str) -> Path:
         """The local folder a stage of a bucket run directory builds in (`$DSPARK_CACHE`, default
         ~/.cache/dspark_jax, `scratch/<hash of the run URL>/<stage>.<key>`)."""
-        cache = Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark_jax")
+        cache = runtime.local_cache_dir()
         run = hashlib.sha256(str(self.run).encode()).hexdigest()[:16]
         return cache / "scratch" / run / f"{stage}.{key}"
 

@@ -47,7 +47,7 @@ def parse_tfds_spec(spec: str) -> tuple[str, str, str | None]:
 
 def _import_tfds():
     try:
-        import tensorflow_datasets as tfds
+        import tensorflow_datasets as tfds  # optional dependency: pip install 'dspark-jax[tfds]'
     except ImportError as e:
         raise ImportError(
             "reading data.tfds needs TensorFlow Datasets: pip install 'dspark-jax[tfds]' "

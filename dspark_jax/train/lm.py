@@ -23,11 +23,11 @@ from tqdm.auto import tqdm
 from dspark_jax import parallel
 from dspark_jax.config import TargetConfig, TrainConfig
 from dspark_jax.models.transformer import forward, init_params
+from dspark_jax.runtime.xla_cpu import training_compiler_options
 from dspark_jax.storage import as_path
 from dspark_jax.train.checkpoint import Checkpointer, abstract_like
 from dspark_jax.train.host_data import PackedWindows
 from dspark_jax.train.optimizer import make_optimizer
-from dspark_jax.xla_cpu import training_compiler_options
 
 
 def pack_windows(token_lists, seq_len: int) -> np.ndarray:

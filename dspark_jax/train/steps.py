@@ -38,11 +38,11 @@ from flax import nnx
 from dspark_jax import parallel
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError, DatasetError
+from dspark_jax.runtime.xla_cpu import training_compiler_options
 from dspark_jax.spec.metrics import is_additive
 from dspark_jax.train import loader as loader_lib
 from dspark_jax.train.features import FeatureCacheReader, target_features
 from dspark_jax.train.optimizer import OptimizerSettings, lr_schedule, make_optimizer
-from dspark_jax.xla_cpu import training_compiler_options
 
 log = logging.getLogger(__name__)
 

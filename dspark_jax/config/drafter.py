@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from dspark_jax.config_base import replace_checked
+from dspark_jax.config.base import replace_checked
+from dspark_jax.config.target import TargetConfig
 from dspark_jax.errors import ConfigError
-from dspark_jax.target_config import TargetConfig
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")

@@ -14,8 +14,10 @@ import os
 import typing
 from typing import Any
 
-from dspark_jax.config import MeshConfig, TargetConfig, TrainConfig, from_json
-from dspark_jax.demo.corpus import CorpusConfig
+from dspark_jax.config.base import MeshConfig, from_json
+from dspark_jax.config.corpus import CorpusConfig
+from dspark_jax.config.target import TargetConfig
+from dspark_jax.config.train import TrainConfig
 from dspark_jax.errors import ConfigError
 
 # the pipeline's stages, in order (train.py --stages / --force name them)

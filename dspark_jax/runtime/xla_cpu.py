@@ -137,8 +137,10 @@ def unrolled_threefry(environ: Mapping[str, str] | None = None) -> bool:
     if _release("jax") not in THREEFRY_CHECKED_JAX:
         return False
     try:
+        # jax's private modules, inside the try: a jax without them turns this off (ImportError);
+        # and importing this module must not load jax (train.py's config check, as in _given)
         from jax._src.interpreters import mlir
-        from jax._src.random import threefry2x32 as tf
+        from jax._src.random import threefry2x32 as tf  # (the same two reasons)
 
         rule = tf._threefry2x32_lowering_rule  # JAX's unrolled rule (its non-CPU default)
         mlir.register_lowering(tf.threefry2x32_p, rule, platform="cpu", inline=False)

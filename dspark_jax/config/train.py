@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dspark_jax.config_base import ConfigMethods
+from dspark_jax.config.base import ConfigMethods
 from dspark_jax.errors import ConfigError
 
 FEATURE_MODES = ("online", "offline")
