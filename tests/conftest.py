@@ -33,9 +33,29 @@ if _own_level:
 else:
     procs.pytest_level = _caller.group(0)
 
+# One persistent compilation cache for the whole test run, cold at its start: the pytest-xdist
+# workers and the train.py / serve.py subprocesses the tests start compile many of the same
+# programs (the micro pipeline's stages run in a dozen tests). The first process to import this
+# file (pytest's own, before its workers start) names a new directory; the others inherit it, and
+# pytest_unconfigure below deletes it. A caller's DSPARK_COMPILATION_CACHE (CI's, or `off`) wins.
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+from dspark_jax.runtime import CACHE_ENV  # noqa: E402
+
+_RUN_CACHE = "DSPARK_TEST_RUN_CACHE"
+_own_cache = not os.environ.get(CACHE_ENV) and not os.environ.get(_RUN_CACHE)
+if _own_cache:
+    os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="dspark-tests-xla-")
+if not os.environ.get(CACHE_ENV):
+    os.environ[CACHE_ENV] = os.environ[_RUN_CACHE]
+
 import jax  # noqa: E402
 
+from dspark_jax.runtime.compile_cache import enable_compilation_cache  # noqa: E402
+
 jax.devices()  # the backend starts and reads XLA_FLAGS (once per process)
+enable_compilation_cache()  # before any test compiles (the run's own, the caller's, or off)
 if _own_level:
     os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(" " + procs.LEVEL0, "")
 
@@ -86,18 +106,10 @@ _XLA = {"compile_s": 0.0, "compilations": 0, "from_cache": 0}
 
 @pytest.fixture(scope="session", autouse=True)
 def _compilation_cache_and_tally():
-    """The persistent compilation cache when DSPARK_COMPILATION_CACHE names a directory (CI sets
-    one for all its steps: the suite's six pytest processes and the subprocesses they start
-    compile many of the same programs, half the suite's time was compiling them); a tally of
-    the session's compilations for its summary line."""
+    """A tally of the session's compilations for its summary line."""
     from jax import monitoring
 
     from dspark_jax.engine.compiles import CACHE_HIT_EVENT, COMPILE_EVENT
-    from dspark_jax.runtime import CACHE_ENV
-    from dspark_jax.runtime.compile_cache import enable_compilation_cache
-
-    if os.environ.get(CACHE_ENV):
-        enable_compilation_cache()
 
     def duration(event, duration_secs=None, **kw):
         if event == COMPILE_EVENT:
@@ -113,6 +125,11 @@ def _compilation_cache_and_tally():
     yield
 
 
+def pytest_unconfigure(config):
+    if _own_cache and not hasattr(config, "workerinput"):  # pytest's own process, last out
+        shutil.rmtree(os.environ[_RUN_CACHE], ignore_errors=True)
+
+
 def pytest_terminal_summary(terminalreporter):
     import jax
 
@@ -121,3 +138,23 @@ def pytest_terminal_summary(terminalreporter):
         f"XLA: {_XLA['compilations']} compilations ({_XLA['from_cache']} read from the "
         f"compilation cache: {where}), {_XLA['compile_s']:.0f} s compiling"
     )
+
+
+@pytest.fixture(scope="session")
+def micro_run(tmp_path_factory) -> tuple:
+    """(run directory, train.py's output) of the micro preset from an empty run directory: the
+    one end-to-end run every test that needs a trained run reads (copy it before changing it).
+    CI's first step has already trained it in a brand-new venv (`.ci/run` names it in
+    DSPARK_TEST_MICRO_RUN / DSPARK_TEST_MICRO_LOG); otherwise the first pytest worker that asks
+    trains it and the others (pytest-xdist) wait for it under a file lock."""
+    from tests.procs import train_micro_once
+
+    given, log = os.environ.get("DSPARK_TEST_MICRO_RUN"), os.environ.get("DSPARK_TEST_MICRO_LOG")
+    if given and log:
+        from pathlib import Path
+
+        return Path(given), Path(log).read_text()
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker's base is a folder of one root
+        shared = shared.parent
+    return train_micro_once(shared / "micro-shared")

@@ -57,3 +57,29 @@ def wait_all(procs: list[subprocess.Popen], timeout: float, logs: list[Path]) ->
     tails = "\n".join(f"--- process {i} ({log}):\n{Path(log).read_text()[-3000:]}"
                       for i, log in enumerate(logs))  # fmt: skip
     raise AssertionError(f"{failed or 'a process failed'}\n{tails}")
+
+
+def train_micro_once(where: Path) -> tuple[Path, str]:
+    """The micro preset trained into `where/run` by the first process that asks (the others wait
+    on a file lock and read it): (run directory, train.py's output)."""
+    import os
+    import sys
+
+    from filelock import FileLock
+
+    root = Path(__file__).resolve().parents[1]
+    where.mkdir(parents=True, exist_ok=True)
+    run, log, done = where / "run", where / "train.log", where / "done"
+    with FileLock(str(where / "lock")):
+        if not done.exists():
+            env = dict(os.environ, TQDM_DISABLE="1", JAX_PLATFORMS="cpu")
+            env.pop("XLA_FLAGS", None)  # one device at XLA's default level, like a user's run
+            p = subprocess.run(
+                [sys.executable, str(root / "train.py"), "--config", "configs/micro.py",
+                 "--run-dir", str(run)],
+                cwd=root, env=env, capture_output=True, text=True, timeout=1200,
+            )  # fmt: skip
+            assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+            log.write_text(p.stdout)
+            done.touch()
+    return run, log.read_text()

@@ -55,22 +55,18 @@ def _check_report(run_dir: Path, kinds=("dspark", "dflash", "eagle3")):
     return rep
 
 
-def _first_micro_run(run_dir: Path) -> str:
-    """The micro preset from an empty run directory; its stdout. CI's first step has already run
-    it (in a brand-new venv with the base install, `.ci/run`) and names that run directory and
-    its output in DSPARK_TEST_MICRO_RUN / DSPARK_TEST_MICRO_LOG: the checks below then read a
-    copy of that run instead of training the same models a second time."""
-    given, log = os.environ.get("DSPARK_TEST_MICRO_RUN"), os.environ.get("DSPARK_TEST_MICRO_LOG")
-    if given and log:
-        shutil.copytree(given, run_dir)  # a copy: the checks below change it
-        return Path(log).read_text()
-    return _run(["--config", "configs/micro.py", "--run-dir", str(run_dir)])
+@pytest.fixture
+def first_micro_run(micro_run, tmp_path) -> tuple[Path, str]:
+    """A copy of the session's micro run from an empty run directory (tests/conftest.py's
+    `micro_run`: CI's first step's run, else trained once) and train.py's output of it."""
+    run_dir = tmp_path / "micro"
+    shutil.copytree(micro_run[0], run_dir)  # a copy: the checks below change it
+    return run_dir, micro_run[1]
 
 
 @pytest.mark.slow
-def test_micro_pipeline_end_to_end_and_resume(tmp_path):
-    run_dir = tmp_path / "micro"
-    out = _first_micro_run(run_dir)
+def test_micro_pipeline_end_to_end_and_resume(first_micro_run, tmp_path):
+    run_dir, out = first_micro_run
     assert "| drafter |" in out
     # the overall progress line before every stage, and the whole run's time at the end
     assert out.count("[pipeline] ") == 8 and "min left in all" in out
@@ -319,7 +315,7 @@ def test_gemma4_preset_on_tiny_hf_checkpoint(tmp_path):
     """configs/gemma4_micro.py end to end on a tiny random `Gemma4ForCausalLM` (sliding and global
     layers, proportional RoPE, soft-capped logits; tests/test_gemma4.py's) saved by transformers,
     with a tokenizer of Gemma 4's chat format (`testing.gemma4_style_tokenizer`): regeneration,
-    all three drafters, calibration and the report, rendered the Gemma 4 way (model turns, the
+    the DSpark drafter, calibration and the report, rendered the Gemma 4 way (model turns, the
     thought prefix outside the loss, no system prompt) and stopping at `<turn|>`."""
     pytest.importorskip("torch")
     from dspark_jax.run.pipeline import Pipeline
@@ -344,12 +340,15 @@ def test_gemma4_preset_on_tiny_hf_checkpoint(tmp_path):
         f"data.conversation_files={conv}", f"data.eval_prompt_files={conv}",
         # the speed breakdown and the greedy table: two more rounds of compiling (minutes here)
         "evaluate.speed_reps=0", "evaluate.temperatures=",
+        # DSpark alone: the three drafters on Gemma 4 (training, every engine form) are
+        # tests/test_gemma4_drafters.py's; the stages' code is the same for each kind
+        "drafters.kinds=dspark",
     ]  # fmt: skip
     args = ["--config", "configs/gemma4_micro.py", "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]
     _run(args, timeout=900)
-    _check_report(run_dir)
+    _check_report(run_dir, kinds=("dspark",))
     rd = RunDir(run_dir)
     assert rd.target()[0].architecture == "gemma4"
     assert Pipeline(rd.config, log=lambda *a: None).render_config() == RenderConfig.gemma4()

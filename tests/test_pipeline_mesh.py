@@ -1,6 +1,6 @@
 """The micro preset and the serving CLIs on 8 simulated devices, as a user runs them on one host
-with several devices: all seven stages on an fsdp x tensor mesh, and the drafters, calibrate and
-evaluate on a data-parallel mesh, give the one-device run's τ tables, and `serve.py generate` on
+with several devices: the drafters, calibrate and evaluate stages on an fsdp x tensor mesh and on
+a data-parallel mesh give the one-device run's τ tables, and `serve.py generate` on
 `--mesh 1,2,4` gives the one-device tokens (greedy speculative decoding = greedy decoding of the
 target)."""
 
@@ -43,15 +43,10 @@ def _script(name: str, args, devices: int, timeout=900) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_device_run(tmp_path_factory) -> Path:
-    """The micro preset on one device: CI's first step's run (DSPARK_TEST_MICRO_RUN, a copy),
-    else trained here."""
+def one_device_run(micro_run, tmp_path_factory) -> Path:
+    """A copy of the session's micro run on one device (tests/conftest.py's `micro_run`)."""
     run = tmp_path_factory.mktemp("one") / "micro"
-    given = os.environ.get("DSPARK_TEST_MICRO_RUN")
-    if given:
-        shutil.copytree(given, run)
-    else:
-        _script("train.py", ["--config", "configs/micro.py", "--run-dir", str(run)], 1)
+    shutil.copytree(micro_run[0], run)
     return run
 
 
@@ -92,11 +87,12 @@ def test_micro_preset_on_8_devices_gives_the_one_device_tau(
     data, fsdp, tensor = mesh
     mesh_sets = (f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}")
     args = ["--config", "configs/micro.py", "--run-dir", str(run), *_sets(settings + mesh_sets)]
-    ran = STAGES
-    if settings:  # the data-parallel mesh reruns the drafters onwards on the reference's data
-        shutil.copytree(ref_run, run)
-        ran = STAGES[4:]
-        args += ["--force", ",".join(ran)]
+    # the drafters onwards on the mesh, on the reference's target and regenerated data (the
+    # target stage and regeneration on a mesh: tests/test_multiprocess_stages.py and
+    # tests/test_launch_regenerate.py, over two processes)
+    shutil.copytree(ref_run, run)
+    ran = STAGES[4:]
+    args += ["--force", ",".join(ran)]
     out = _script("train.py", args, 8)
     assert ", ".join(f"{s}: ran" for s in ran) in out  # none of them cached
     rep, ref = _report(run), _report(ref_run)
