@@ -53,14 +53,16 @@ from dspark_jax.models import init_params  # noqa: E402
 from dspark_jax.models.transformer import param_count  # noqa: E402
 from dspark_jax.testing import (  # noqa: E402
     small_target_config,
+    smoke_models,
     tiny_drafter_config,
     tiny_target_config,
 )
 
 MODELS = {"tiny": tiny_target_config, "small": small_target_config, "demo": None}
 SMOKE_HELP = (
-    "seconds-sized run of the same code path and JSON keys: 1 slot, γ = 1 (random models), "
-    "8-token context, 2 steps, 1 repeat; the profile goes to a temporary file unless --out"
+    "seconds-sized run of the same code path and JSON keys: 1 slot, testing.smoke_models (γ = 2) "
+    "unless --run-dir, 16-token context, 2 steps, 1 repeat; the profile to a temporary file "
+    "unless --out"
 )
 
 
@@ -107,7 +109,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args(argv)
     if args.smoke:
-        args.num_slots, args.gamma, args.max_len, args.context = 1, 1, 32, 8
+        # device_check --smoke's serving engine: one process compiles it once for both
+        args.num_slots, args.max_len, args.context = 1, 36, 16
         args.steps, args.repeats = 2, 1
         args.out = args.out or os.path.join(tempfile.mkdtemp(prefix="decode_cost_"), "cost.json")
 
@@ -119,6 +122,10 @@ def main(argv=None):
         dcfg, dp = run.drafter("dspark")
         out = args.out or str(run.cost_profile_path())
         name = f"run:{args.run_dir}"
+    elif args.smoke:
+        tcfg, tp, dcfg, dp = smoke_models()
+        out = args.out
+        name = "smoke"
     else:
         tcfg, tp, dcfg, dp = random_models(args.model, args.gamma)
         default = "decode_cost.json" if args.model == "small" else f"decode_cost.{args.model}.json"

@@ -47,7 +47,7 @@ from dspark_jax.engine import device as dev
 from dspark_jax.engine.device import PrefillInputs
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.generate import generate
-from dspark_jax.testing import tiny_drafter_config, tiny_target_config
+from dspark_jax.testing import smoke_models
 
 TAUS = (2.5, 3.34, 4.0)
 
@@ -68,14 +68,6 @@ class Sizes:
 
 SMOKE = Sizes(prompt=16, short=4, long=12, max_len=64, caches=(32, 64), component_cache=32,
               prefill_caches=(32, 64))  # fmt: skip
-
-
-def smoke_models():
-    """The tiny test target (4 x 64, V = 256) and a 1-layer DSpark drafter, γ = 2."""
-    tcfg = tiny_target_config()
-    tp = tf.init_params(tcfg, 0)
-    dcfg = tiny_drafter_config("dspark", target=tcfg, num_layers=1, block_size=2)
-    return tcfg, tp, dcfg, drafters.init_params(dcfg, seed=1, target_params=tp)
 
 
 def models():
@@ -257,7 +249,10 @@ def main(argv=None):
     )
     if args.smoke:
         args.batch, args.ks, args.reps = [1], [1, 2], 1
-        sz, model = SMOKE, "tiny test target (4x64, V=256), DSpark 1 layer, γ=2, random weights"
+        sz, model = (
+            SMOKE,
+            "testing.smoke_models: tiny target (4x64, V=256), DSpark 1 layer, γ=2, random",
+        )
         args.out = args.out or os.path.join(tempfile.mkdtemp(prefix="round_loop_"), "out.json")
     args.out = args.out or os.path.join(os.path.dirname(__file__), "results", "round_loop.json")
     ks = sorted(set(args.ks) | {1})

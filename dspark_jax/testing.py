@@ -90,6 +90,24 @@ def tiny_drafter_config(kind: str = "dspark", target=None, **overrides):
     return getattr(DrafterConfig, kind)(target, **base)
 
 
+def smoke_models(seed: int = 0):
+    """(tcfg, tparams, dcfg, dparams) of the benchmarks' `--smoke` runs: `tiny_target_config()`
+    (random weights, no compilation) and a 1-layer DSpark drafter, γ = 2, 4 anchors, r = 16. One
+    pair for all of them, so the smoke runs in one process (tests/test_benchmarks_smoke.py) share
+    the programs they compile."""
+    tcfg = tiny_target_config()
+    tparams = random_params(tcfg, seed)
+    dcfg = smoke_drafter_config(tcfg)
+    return tcfg, tparams, dcfg, drafters.init_params(dcfg, seed=seed + 1, target_params=tparams)
+
+
+def smoke_drafter_config(target: TargetConfig | None = None) -> DrafterConfig:
+    """The `smoke_models` drafter's configuration for `target` (default `tiny_target_config()`)."""
+    target = target or tiny_target_config()
+    return DrafterConfig.dspark(target, num_layers=1, block_size=2, num_anchors=4, markov_rank=16,
+                                mask_token_id=target.vocab_size - 1)  # fmt: skip
+
+
 def drafter_batch(
     target_cfg, target_params, batch: int = 2, length: int = 24, seed: int = 1, prompt: int = 5
 ):
