@@ -5,7 +5,8 @@ measurement session.
 The benchmarks run in this process (their `main(argv)`, loaded from benchmarks/ as the installed
 package's scripts): one jax import for all of them, and the programs one compiles are cached for
 the next (the smoke runs share `testing.smoke_models`). `ab` goes last: its threefry experiment
-clears jax's caches.
+clears jax's caches and turns on the unrolled threefry lowering for the process (the same bits,
+tests/test_xla_cpu.py).
 """
 
 from __future__ import annotations
