@@ -17,12 +17,14 @@ Both KV layouts are timed in the same run, their points interleaved: the slot ca
 `max_len` positions) and the paged cache (a pool of `--page-size` pages holding as many
 positions, so equal KV memory). Each gets its own fit (`layouts`), and `paging_overhead` is the
 paged engine's step time over the slot engine's (geometric mean over the points, and per point).
-The profile written is the first layout's of `--kv-layouts`.
+The profile written is the first layout's of `--kv-layouts`. The measurement itself is
+`dspark_jax.eval.decode_cost` (benchmarks/serving_frontier.py measures with it too).
 
     python benchmarks/decode_cost.py --model tiny  [--out benchmarks/results/decode_cost.tiny.json]
     python benchmarks/decode_cost.py --model demo  # the demo's 16 x 160 target, random weights
     python benchmarks/decode_cost.py --run-dir runs/tiny   # the demo's target + DSpark drafter
                                                            # (writes <run>/cost_profile.json)
+    python benchmarks/decode_cost.py --smoke   # seconds: the same path and keys, tiny sizes
 Prints one JSON object.
 """
 
@@ -31,29 +33,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 from dspark_jax import drafters  # noqa: E402
 from dspark_jax.compat import device_name, target_shape_key  # noqa: E402
 from dspark_jax.config import DrafterConfig  # noqa: E402
-from dspark_jax.engine import RequestParams, ServingEngine  # noqa: E402
+from dspark_jax.engine import ServingEngine  # noqa: E402
+from dspark_jax.eval.decode_cost import (  # noqa: E402
+    engine_layout,
+    measure_points,
+    overhead,
+    profile_from,
+    time_points,
+)
 from dspark_jax.models import init_params  # noqa: E402
 from dspark_jax.models.transformer import param_count  # noqa: E402
-from dspark_jax.sched import CostProfile, FixedGamma  # noqa: E402
 from dspark_jax.testing import (  # noqa: E402
     small_target_config,
+    smoke_models,
     tiny_drafter_config,
     tiny_target_config,
 )
 
 MODELS = {"tiny": tiny_target_config, "small": small_target_config, "demo": None}
+SMOKE_HELP = (
+    "seconds-sized run of the same code path and JSON keys: 1 slot, testing.smoke_models (γ = 2) "
+    "unless --run-dir, 16-token context, 2 steps, 1 repeat; the profile to a temporary file "
+    "unless --out"
+)
 
 
 def demo_models(gamma: int):
@@ -79,111 +89,6 @@ def random_models(name: str, gamma: int):
     return tcfg, tp, dcfg, drafters.init_params(dcfg, target_params=tp)
 
 
-def measure_points(num_slots: int, gamma: int) -> list[tuple[int, int]]:
-    """(R, g) points: R in powers of two up to num_slots (and num_slots), g in {0, 1, .., γ}
-    thinned to at most 4 values."""
-    rs = sorted(
-        {1 << i for i in range(num_slots.bit_length()) if 1 << i <= num_slots} | {num_slots}
-    )
-    gs = sorted({0, 1, max(1, gamma // 2), gamma})
-    return [(r, g) for r in rs for g in gs]
-
-
-def time_points(engines: dict, points, *, context: int, steps: int, repeats: int) -> dict:
-    """{layout: {(R, g): seconds per engine step}}, min over `repeats` repetitions; each point
-    is timed on every engine in turn (interleaved, so a busy machine slows both alike)."""
-    best = {k: {p: float("inf") for p in points} for k in engines}
-    for _ in range(repeats):
-        for r, g in points:
-            for k, eng in engines.items():
-                sec = _time_point(eng, r, g, context=context, steps=steps)
-                best[k][(r, g)] = min(best[k][(r, g)], sec)
-    return best
-
-
-def _time_point(eng: ServingEngine, r: int, g: int, *, context: int, steps: int) -> float:
-    rng = np.random.default_rng(r * 100 + g)  # the same prompts on every engine
-    max_new = min(eng.max_len - context - eng.gamma - 1, (steps + 2) * (eng.gamma + 1))
-    eng.set_policy(FixedGamma(g))
-    handles = [
-        eng.submit(
-            rng.integers(0, eng.tcfg.vocab_size - 1, context).tolist(),
-            RequestParams(max_new, temperature=0.0),
-        )
-        for _ in range(r)
-    ]
-    eng.step()  # admission + a first round, untimed
-    t0 = time.perf_counter()
-    done = 0
-    for _ in range(steps):
-        eng.step()
-        done += 1
-        if sum(1 for h in handles if not h.finished) < r:
-            break
-    sec = (time.perf_counter() - t0) / done
-    for h in handles:
-        h.cancel()
-    while eng.has_work():
-        eng.step()
-    return sec
-
-
-def profile_from(eng: ServingEngine, best: dict, meta: dict) -> tuple[CostProfile, dict]:
-    buckets = eng.token_buckets
-    by_bucket: dict[int, list[float]] = {}
-    rows = []
-    for (r, g), sec in sorted(best.items()):
-        t = r * (g + 1)
-        b = next(x for x in buckets if x >= t)
-        by_bucket.setdefault(b, []).append(sec)
-        rows.append(
-            {"batch": r, "tokens_per_request": g + 1, "bucket": b, "steps_per_s": 1.0 / sec}
-        )
-    tokens = sorted(by_bucket)
-    step = [float(np.mean(by_bucket[b])) for b in tokens]
-    prof = CostProfile(tuple(tokens), tuple(1.0 / s for s in step), "tokens", buckets)
-    x, y = np.asarray(tokens, float), np.asarray(step)
-    beta, alpha = np.polyfit(x, y, 1) if len(x) > 1 else (0.0, y[0])
-    pred = alpha + beta * x
-    ss = float(np.sum((y - y.mean()) ** 2))
-    r2 = 1.0 - float(np.sum((y - pred) ** 2)) / ss if ss > 0 else 1.0
-    summary = {
-        "largest_over_smallest_bucket": step[-1] / step[0],
-        "tokens_range": [tokens[0], tokens[-1]],
-        "fit_alpha_s": float(alpha),
-        "fit_beta_s_per_token": float(beta),
-        "fit_r2": r2,
-        "alpha_in_tokens": float(alpha / beta) if beta > 0 else None,
-    }
-    d = prof.to_dict()
-    d["cost_profile"]["measurements"] = rows
-    d["cost_profile"]["meta"] = {**meta, "summary": summary}
-    return prof, d
-
-
-def engine_layout(eng: ServingEngine) -> dict:
-    c = eng.config
-    return {
-        "engine": "ServingEngine packed round",
-        "kv_layout": c.kv_layout,
-        "num_slots": eng.num_slots,
-        "gamma": eng.gamma,
-        "max_len": eng.max_len,
-        "token_buckets": list(eng.token_buckets),
-        "cache_buckets": list(eng.cache_buckets),
-        **({"page_size": c.page_size, "num_pages": c.num_pages} if c.kv_layout == "paged" else {}),
-    }
-
-
-def overhead(best: dict, over: str, base: str) -> dict:
-    """`over`'s step time over `base`'s: geometric mean over the points, and per point."""
-    ratios = {f"{r}x{g + 1}": best[over][(r, g)] / best[base][(r, g)] for r, g in best[base]}
-    return {
-        "geomean": float(np.exp(np.mean(np.log(list(ratios.values()))))),
-        "per_point_requests_x_tokens": ratios,
-    }
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny", choices=sorted(MODELS))
@@ -201,7 +106,13 @@ def main(argv=None):
     )
     ap.add_argument("--page-size", type=int, default=16, help="the paged engine's page")
     ap.add_argument("--out", default="", help="profile JSON path")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args(argv)
+    if args.smoke:
+        # device_check --smoke's serving engine: one process compiles it once for both
+        args.num_slots, args.max_len, args.context = 1, 36, 16
+        args.steps, args.repeats = 2, 1
+        args.out = args.out or os.path.join(tempfile.mkdtemp(prefix="decode_cost_"), "cost.json")
 
     if args.run_dir:
         from dspark_jax.run.rundir import RunDir
@@ -211,6 +122,10 @@ def main(argv=None):
         dcfg, dp = run.drafter("dspark")
         out = args.out or str(run.cost_profile_path())
         name = f"run:{args.run_dir}"
+    elif args.smoke:
+        tcfg, tp, dcfg, dp = smoke_models()
+        out = args.out
+        name = "smoke"
     else:
         tcfg, tp, dcfg, dp = random_models(args.model, args.gamma)
         default = "decode_cost.json" if args.model == "small" else f"decode_cost.{args.model}.json"

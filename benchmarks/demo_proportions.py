@@ -18,6 +18,9 @@ repetition in a shuffled order (interleaved), medians reported. For each candida
   and `ideal_speedup` = τ · step / round at the plausible τ given by `--tau`.
 
     python benchmarks/demo_proportions.py [--reps 9] [--tau 3.3] [--out FILE]
+    python benchmarks/demo_proportions.py --smoke   # seconds: the same path and keys for one
+        # target, `smoke` (testing.smoke_models' 4 x 64 target, its DSpark drafter and Eagle3,
+        # γ = 2), a 16-token prompt, 1 repetition, 2 resident rounds, T = 1 and γ + 1 only
 
 Prints one JSON object. Absolute times on a shared CPU are noise; read the ratios.
 """
@@ -27,19 +30,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 from dspark_jax import drafters  # noqa: E402
 from dspark_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids  # noqa: E402
 from dspark_jax.eval import speed  # noqa: E402
 from dspark_jax.models import init_params  # noqa: E402
+from dspark_jax.testing import smoke_drafter_config, smoke_models  # noqa: E402
 
 VOCAB = 2048
 # (layers, hidden, intermediate, heads, kv heads): comparable parameter budgets in the layers
@@ -83,14 +84,22 @@ def _time(fn) -> float:
 
 
 def measure_target(name: str, args) -> dict:
-    tcfg = target_config(name)
-    tp = init_params(tcfg, 0)
+    if name == "smoke":  # the smoke runs' models (their programs shared with the other smokes')
+        tcfg, tp, _, _ = smoke_models()
+    else:
+        tcfg = target_config(name)
+        tp = init_params(tcfg, 0)
     g, plen = args.gamma, args.prompt_len
-    prompt = [int(x) for x in jax.random.randint(jax.random.key(1), (plen,), 4, VOCAB - 1)]
+    prompt = [
+        int(x) for x in jax.random.randint(jax.random.key(1), (plen,), 4, tcfg.vocab_size - 1)
+    ]
     kinds = [("dspark", n) for n in args.dspark_layers] + [("eagle3", 1)]
     ds = {}
     for kind, layers in kinds:
-        dcfg = drafter_config(kind, tcfg, layers, g)
+        if name == "smoke" and kind == "dspark":
+            dcfg = smoke_drafter_config(tcfg)
+        else:
+            dcfg = drafter_config(kind, tcfg, layers, g)
         label = f"{kind}{layers}L" if kind != "eagle3" else "eagle3"
         ds[label] = (dcfg, drafters.init_params(dcfg, target_params=tp))
     ts = (1, 2, 4, 8, 12, 16) if args.verify_sweep else (1,)
@@ -143,12 +152,16 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--verify-sweep", action="store_true", help="verify forward for T = 1..16")
     ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="seconds-sized run, the same keys")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.targets, args.dspark_layers, args.gamma, args.prompt_len = "smoke", "1", 2, 16
+        args.reps, args.rounds_per_call, args.verify_sweep = 1, 2, False
     try:
         args.dspark_layers = [int(x) for x in args.dspark_layers.split(",") if x]
     except ValueError:
         ap.error(f"--dspark-layers {args.dspark_layers!r}: give integers, comma-separated")
-    unknown = [n for n in args.targets.split(",") if n not in CANDIDATES]
+    unknown = [n for n in args.targets.split(",") if n not in CANDIDATES and not args.smoke]
     if unknown:
         ap.error(f"--targets: unknown {','.join(unknown)}; choose from {','.join(CANDIDATES)}")
     if args.rounds_per_call < 1 or args.reps < 1:

@@ -1,6 +1,9 @@
 """First run on an accelerator: parity tests, one short drafter training, the serving frontier.
 
     python benchmarks/device_check.py [--out benchmarks/results/device_check.json] [--reduced]
+    python benchmarks/device_check.py --smoke   # seconds: the same steps and keys at the
+                                                # smallest sizes, parity skipped (the test suite
+                                                # runs those tests), JSON to a temporary file
 
 On a GPU or TPU (a few minutes):
 
@@ -32,11 +35,11 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: the parity tests run from it
 
 PARITY_FULL = [
     "tests/test_hf_parity.py",
@@ -103,7 +106,16 @@ def run_train(tcfg, tparams, dcfg, args, run_dir: Path) -> tuple[dict, object]:
         progress_bar=False,
         memory_check="compiled",
     )
-    t = Trainer.for_drafter(cfg, dcfg, tparams, train_data=samples, run_dir=run_dir, resume=False)
+    mesh = None
+    if args.smoke:  # one device (a mesh of all would need a batch per device)
+        import jax
+
+        from dspark_jax import parallel
+        from dspark_jax.config import MeshConfig
+
+        mesh = parallel.make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
+    t = Trainer.for_drafter(cfg, dcfg, tparams, train_data=samples, run_dir=run_dir, resume=False,
+                            mesh=mesh)  # fmt: skip
     warm = t.run(max_steps=1, save_at_end=False)  # compiles
     res = t.run(save_at_end=False)
     t.close()
@@ -182,7 +194,7 @@ def run_round(tcfg, tparams, dcfg, dparams, args) -> dict:
     prompt = np.random.default_rng(2).integers(0, tcfg.vocab_size, 16).tolist()
     bd = round_breakdown(
         tcfg, tparams, {"dspark": (dcfg, dparams)}, prompt, temperature=1.0,
-        reps=args.round_reps, resident_rounds=16,
+        reps=args.round_reps, resident_rounds=args.resident_rounds, **args.round_kw,
     )  # fmt: skip
     row, res = bd["drafters"]["dspark"], bd.get("resident") or {}
     share = res.get("draft_share_of_round")
@@ -201,13 +213,19 @@ def run_round(tcfg, tparams, dcfg, dparams, args) -> dict:
     }
 
 
-def main() -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/device_check.json")
+    ap.add_argument("--out", default="")
     ap.add_argument("--reduced", action="store_true", help="the CPU-sized run on any backend")
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--parity-timeout", type=int, default=300)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="seconds-sized run, the same keys")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.reduced = True
+        args.out = args.out or os.path.join(tempfile.mkdtemp(prefix="device_check_"), "out.json")
+    args.out = args.out or "benchmarks/results/device_check.json"
+    args.resident_rounds, args.round_kw = 16, {}
 
     import jax
 
@@ -218,9 +236,22 @@ def main() -> int:
         why = "no GPU/TPU: tiny target, few steps" if backend == "cpu" else "--reduced"
     from dspark_jax.config import DrafterConfig
     from dspark_jax.models import transformer
-    from dspark_jax.testing import small_target_config, tiny_target_config
+    from dspark_jax.testing import (
+        small_target_config,
+        smoke_drafter_config,
+        smoke_models,
+        tiny_target_config,
+    )
 
-    if reduced:
+    if args.smoke:
+        tcfg = tiny_target_config()
+        args.steps, args.batch, args.seq_len, args.sequences = 2, 2, 32, 4
+        args.new_tokens, args.serve_batches, args.verify_lens = 8, [1], [2]
+        args.round_reps, args.resident_rounds = 1, 2
+        args.round_kw = {"verify_tokens": (1,)}  # and γ + 1
+        dkw = None  # testing.smoke_drafter_config
+        why = "--smoke: the smallest sizes, parity skipped"
+    elif reduced:
         tcfg = tiny_target_config()
         args.steps, args.batch, args.seq_len, args.sequences = 4, 4, 64, 16
         args.new_tokens, args.serve_batches, args.verify_lens = 32, [1], [4]
@@ -232,7 +263,10 @@ def main() -> int:
         args.new_tokens, args.serve_batches, args.verify_lens = 128, [1, 8], None
         args.round_reps = 7
         dkw = dict(num_layers=2, block_size=7, num_anchors=64, markov_rank=64)
-    dcfg = DrafterConfig.dspark(tcfg, mask_token_id=tcfg.vocab_size - 1, **dkw)
+    if dkw is None:
+        dcfg = smoke_drafter_config(tcfg)
+    else:
+        dcfg = DrafterConfig.dspark(tcfg, mask_token_id=tcfg.vocab_size - 1, **dkw)
     result: dict = {
         "backend": backend,
         "devices": [str(d) for d in jax.devices()],
@@ -244,13 +278,16 @@ def main() -> int:
         "target": {"hidden": tcfg.hidden_size, "layers": tcfg.num_layers, "vocab": tcfg.vocab_size},
     }
     t0 = time.perf_counter()
-    if not args.skip_parity:
+    if args.smoke:
+        result["parity"] = {"skipped": "--smoke (the test suite runs the parity tests)"}
+    elif not args.skip_parity:
         result["parity"] = run_parity(backend, reduced, args.parity_timeout)
-    tparams = transformer.init_params(tcfg, 0)
-    import tempfile
+    # smoke: testing.smoke_models' target (its programs shared with the other smoke runs')
+    tparams = smoke_models()[1] if args.smoke else transformer.init_params(tcfg, 0)
 
     with tempfile.TemporaryDirectory() as d:
         result["train"], dparams = run_train(tcfg, tparams, dcfg, args, Path(d) / "run")
+    dparams = jax.device_put(jax.device_get(dparams))  # off the training mesh: one device
     result["serve"] = run_serve(tcfg, tparams, dcfg, dparams, args)
     result["round"] = run_round(tcfg, tparams, dcfg, dparams, args)
     result["seconds"] = round(time.perf_counter() - t0, 1)
@@ -259,8 +296,8 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text + "\n")
-    return 0 if result.get("parity", {}).get("ok", True) else 1
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(0 if main().get("parity", {}).get("ok", True) else 1)

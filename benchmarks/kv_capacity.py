@@ -10,6 +10,8 @@ low, only memory, concurrency and throughput are compared.
 
     python benchmarks/kv_capacity.py [--max-len 8192] [--slots 2] [--paged-slots 8]
                                      [--requests 24] [--page 16] [--long 8000]
+    python benchmarks/kv_capacity.py --smoke   # seconds: the same path and keys; max_len 256,
+                                               # 4 paged slots, 4 requests, one bucket each
 
 Prints ONE JSON object: `config`, `slots` / `paged` (tokens, seconds, tokens_per_s,
 max_concurrent, retraces_after_warmup, and for paged preemptions, peak_used_pages,
@@ -25,11 +27,9 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import numpy as np  # noqa: E402
 
@@ -127,17 +127,25 @@ def main(argv=None):
     ap.add_argument("--stall-long", type=int, default=6000, help="`stall`: the long prompt")
     ap.add_argument("--stall-budget", type=int, default=512, help="`stall`: chunked budget")
     ap.add_argument("--stall-only", action="store_true", help="only the `stall` key")
+    ap.add_argument("--smoke", action="store_true", help="seconds-sized run, the same keys")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.max_len, a.slots, a.paged_slots, a.requests, a.max_new = 256, 2, 4, 4, 4
+        a.long, a.stall_long, a.stall_budget = 200, 160, 64
     tcfg, tp, dcfg, dp = _models(a.max_len)
     top = a.max_len - a.max_new - GAMMA - 1  # longer prompts do not fit a slot: refused
     prompts = _workload(a.requests, min(a.long, top), np.random.default_rng(0), hi=min(6000, top))
     caches = (512, 2048, a.max_len) if a.max_len > 2048 else (a.max_len // 4, a.max_len)
     common = dict(max_len=a.max_len, prompt_buckets=(64, 512), token_buckets=(8, 20, 40, 80),
                   cache_buckets=caches, modes=("greedy",))  # fmt: skip
+    if a.smoke:  # one program per kind to compile
+        tokens = max(a.slots, a.paged_slots) * (GAMMA + 1)
+        common.update(prompt_buckets=(64,), token_buckets=(tokens,), cache_buckets=(a.max_len,))
     stall = _stall((tcfg, dcfg, tp, dp), common, a)
     if a.stall_only:
-        print(json.dumps(dict(config=vars(a), stall=stall)))
-        return
+        out = dict(config=vars(a), stall=stall)
+        print(json.dumps(out))
+        return out
     num_pages = a.slots * a.max_len // a.page  # equal KV memory
     slots_eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=a.slots, **common)
     paged_eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=a.paged_slots, kv_layout="paged",
@@ -154,7 +162,9 @@ def main(argv=None):
     )  # fmt: skip
     config = dict(vars(a), kv_positions=a.slots * a.max_len, num_pages=num_pages, gamma=GAMMA,
                   target="tiny qwen2 (4 layers, 64 wide), random", platform=platform.machine())  # fmt: skip
-    print(json.dumps(dict(config=config, slots=s_row, paged=p_row, summary=summary, stall=stall)))
+    out = dict(config=config, slots=s_row, paged=p_row, summary=summary, stall=stall)
+    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

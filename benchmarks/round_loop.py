@@ -2,6 +2,9 @@
 (K = 1, the host between rounds) vs K rounds per call (`ServingEngine(rounds_per_call=K)`).
 
     python benchmarks/round_loop.py [--batch 1 8] [--ks 1 2 4 8 16] [--out results/round_loop.json]
+    python benchmarks/round_loop.py --smoke   # seconds: the same path and keys; the tiny test
+                                              # target, γ = 2, batch 1, K in {1, 2}, short
+                                              # prompts (the JSON to a temporary file)
 
 Random weights at `configs/tiny.py`'s proportions (target 16 x 160, V = 2048, 1-layer DSpark,
 γ = 7; timing does not depend on the weights), greedy, fixed γ. Per batch size B:
@@ -27,27 +30,44 @@ Random weights at `configs/tiny.py`'s proportions (target 16 x 160, V = 2048, 1-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import sys
+import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from dspark_jax import drafters
+from dspark_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from dspark_jax.engine import RequestParams, ServingEngine
+from dspark_jax.engine import device as dev
+from dspark_jax.engine.device import PrefillInputs
+from dspark_jax.models import transformer as tf
+from dspark_jax.models.generate import generate
+from dspark_jax.testing import smoke_models
 
-from dspark_jax import drafters  # noqa: E402
-from dspark_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids  # noqa: E402
-from dspark_jax.engine import RequestParams, ServingEngine  # noqa: E402
-from dspark_jax.engine import device as dev  # noqa: E402
-from dspark_jax.engine.device import PrefillInputs  # noqa: E402
-from dspark_jax.models import transformer as tf  # noqa: E402
-from dspark_jax.models.generate import generate  # noqa: E402
-
-PROMPT, SHORT, LONG, MAX_LEN = 64, 48, 176, 512
 TAUS = (2.5, 3.34, 4.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Prompt, the two generation lengths, the engines' max_len and cache buckets, the cache
+    the components are timed at, the prefill benchmark's slot and cache buckets."""
+
+    prompt: int = 64
+    short: int = 48
+    long: int = 176
+    max_len: int = 512
+    caches: tuple[int, ...] = (128, 256, 512)
+    component_cache: int = 256
+    prefill_caches: tuple[int, ...] = (128, 1024)
+
+
+SMOKE = Sizes(prompt=16, short=4, long=12, max_len=64, caches=(32, 64), component_cache=32,
+              prefill_caches=(32, 64))  # fmt: skip
 
 
 def models():
@@ -76,7 +96,7 @@ def _min_ms(fn, reps) -> float:
     return 1e3 * min(_timed(fn) for _ in range(reps))
 
 
-def _components(eng, tcfg, tp, dcfg, dp, b, reps):
+def _components(eng, tcfg, tp, dcfg, dp, b, reps, sz: Sizes):
     """(verify forward ms, proposal ms) of a round on the engine's state after a prefill, drafts
     verified in full."""
     state = eng.programs.state
@@ -85,7 +105,9 @@ def _components(eng, tcfg, tp, dcfg, dp, b, reps):
     fwd = jax.jit(dev.verify_forward, static_argnums=(0, 1, 2, 3))
     t_fwd = b * (dcfg.block_size + 1)
     verify_ms = _min_ms(
-        lambda: jax.block_until_ready(fwd(tcfg, dcfg, t_fwd, 256, tp, state, lengths, active)[0]),
+        lambda: jax.block_until_ready(
+            fwd(tcfg, dcfg, t_fwd, sz.component_cache, tp, state, lengths, active)[0]
+        ),
         reps * 3,
     )
     seeds = jnp.zeros((b,), jnp.uint32)
@@ -103,14 +125,14 @@ def _components(eng, tcfg, tp, dcfg, dp, b, reps):
     return verify_ms, propose_ms
 
 
-def bench_batch(tcfg, tp, dcfg, dp, b, ks, reps):
+def bench_batch(tcfg, tp, dcfg, dp, b, ks, reps, sz: Sizes = Sizes()):
     rng = np.random.default_rng(b)
-    prompts = [rng.integers(0, 2047, PROMPT).tolist() for _ in range(b)]
+    prompts = [rng.integers(0, tcfg.vocab_size - 1, sz.prompt).tolist() for _ in range(b)]
     engines = {}
     for k in ks:
         eng = ServingEngine(
-            tcfg, dcfg, tp, dp, num_slots=b, max_len=MAX_LEN, prompt_buckets=(PROMPT,),
-            cache_buckets=(128, 256, MAX_LEN), token_buckets=(b * (dcfg.block_size + 1),),
+            tcfg, dcfg, tp, dp, num_slots=b, max_len=sz.max_len, prompt_buckets=(sz.prompt,),
+            cache_buckets=sz.caches, token_buckets=(b * (dcfg.block_size + 1),),
             modes=("greedy",), rounds_per_call=k,
         )  # fmt: skip
         eng.warmup()
@@ -124,18 +146,19 @@ def bench_batch(tcfg, tp, dcfg, dp, b, ks, reps):
 
     def plain(n):
         jax.block_until_ready(
-            generate(tcfg, tp, prompts, max_new_tokens=n, length_buckets=(MAX_LEN,))
+            generate(tcfg, tp, prompts, max_new_tokens=n, length_buckets=(sz.max_len,))
         )
 
-    for n in (SHORT, LONG):  # warm: compile everything before timing
+    short, long = sz.short, sz.long
+    for n in (short, long):  # warm: compile everything before timing
         plain(n)
         for k in ks:
             spec(k, n)
     comp0 = sum(e.compilations for e in engines.values())
-    rec = {("plain", n): [] for n in (SHORT, LONG)}
+    rec = {("plain", n): [] for n in (short, long)}
     rounds = {}
     for _ in range(reps):  # interleaved repetitions
-        for n in (SHORT, LONG):
+        for n in (short, long):
             rec[("plain", n)].append(_timed(lambda n=n: plain(n)))
             for k in ks:
                 t0 = time.perf_counter()
@@ -144,14 +167,14 @@ def bench_batch(tcfg, tp, dcfg, dp, b, ks, reps):
     retraces = sum(e.compilations for e in engines.values()) - comp0
     # the minimum over repetitions: on a shared CPU other processes only ever add time
     med = {key: min(v) for key, v in rec.items()}
-    step = 1e3 * (med[("plain", LONG)] - med[("plain", SHORT)]) / (LONG - SHORT)
+    step = 1e3 * (med[("plain", long)] - med[("plain", short)]) / (long - short)
     round_ms = {
-        k: 1e3 * (med[(k, LONG)] - med[(k, SHORT)]) / (rounds[(k, LONG)] - rounds[(k, SHORT)])
+        k: 1e3 * (med[(k, long)] - med[(k, short)]) / max(rounds[(k, long)] - rounds[(k, short)], 1)
         for k in ks
     }
     best = min(round_ms, key=round_ms.get)
 
-    verify_ms, propose_ms = _components(engines[ks[0]], tcfg, tp, dcfg, dp, b, reps)
+    verify_ms, propose_ms = _components(engines[ks[0]], tcfg, tp, dcfg, dp, b, reps, sz)
     return {
         "batch": b,
         "plain_step_ms": step,
@@ -171,14 +194,14 @@ def bench_batch(tcfg, tp, dcfg, dp, b, ks, reps):
     }
 
 
-def bench_prefill(tcfg, tp, dcfg, dp, reps):
+def bench_prefill(tcfg, tp, dcfg, dp, reps, sz: Sizes = Sizes()):
     eng = ServingEngine(
-        tcfg, dcfg, tp, dp, num_slots=1, max_len=1024, prompt_buckets=(PROMPT,),
-        cache_buckets=(128, 1024), modes=("greedy",),
+        tcfg, dcfg, tp, dp, num_slots=1, max_len=sz.prefill_caches[-1],
+        prompt_buckets=(sz.prompt,), cache_buckets=sz.prefill_caches, modes=("greedy",),
     )  # fmt: skip
-    toks = np.arange(PROMPT, dtype=np.int32) % 2000
+    toks = np.arange(sz.prompt, dtype=np.int32) % min(2000, tcfg.vocab_size - 1)
     out = {}
-    for s in (128, 1024):
+    for s in sz.prefill_caches:
 
         def run(s=s):
             inputs = PrefillInputs(
@@ -186,7 +209,7 @@ def bench_prefill(tcfg, tp, dcfg, dp, reps):
                 toks,
                 toks,
                 np.int32(0),
-                np.int32(PROMPT),
+                np.int32(sz.prompt),
                 np.bool_(True),
                 np.uint32(0),
                 None,
@@ -196,15 +219,15 @@ def bench_prefill(tcfg, tp, dcfg, dp, reps):
             jax.block_until_ready(first)
 
         out[str(s)] = _min_ms(run, reps * 3)
-    return {"prompt": PROMPT, "cache_len_ms": out}
+    return {"prompt": sz.prompt, "cache_len_ms": out}
 
 
-def bench_dispatch(tcfg, tp, dcfg, dp, reps):
+def bench_dispatch(tcfg, tp, dcfg, dp, reps, sz: Sizes = Sizes()):
     """One jitted call's dispatch with a round's arguments (a no-op, blocked): the params as
     the engine passes them (`EnginePrograms.params`, flattened once) vs as `nnx.State`s."""
     from dspark_jax.eval.speed import _noop
 
-    eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=1, max_len=MAX_LEN, modes=("greedy",))
+    eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=1, max_len=sz.max_len, modes=("greedy",))
     out = {}
     for name, (a, b) in (("flat", eng.programs.params), ("nnx_state", (tp, dp))):
         run = lambda a=a, b=b: jax.block_until_ready(_noop(a, b, eng.programs.state))
@@ -217,22 +240,35 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--ks", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "round_loop.json"))  # fmt: skip
+    ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="seconds-sized run, the same keys")
     args = ap.parse_args(argv)
+    sz, model = (
+        Sizes(),
+        "tiny proportions, random weights (target 16x160, V=2048, DSpark 1 layer, γ=7)",
+    )
+    if args.smoke:
+        args.batch, args.ks, args.reps = [1], [1, 2], 1
+        sz, model = (
+            SMOKE,
+            "testing.smoke_models: tiny target (4x64, V=256), DSpark 1 layer, γ=2, random",
+        )
+        args.out = args.out or os.path.join(tempfile.mkdtemp(prefix="round_loop_"), "out.json")
+    args.out = args.out or os.path.join(os.path.dirname(__file__), "results", "round_loop.json")
     ks = sorted(set(args.ks) | {1})
-    tcfg, tp, dcfg, dp = models()
+    tcfg, tp, dcfg, dp = smoke_models() if args.smoke else models()
     result = {
-        "model": "tiny proportions, random weights (target 16x160, V=2048, DSpark 1 layer, γ=7)",
+        "model": model,
         "devices": str(jax.devices()[0]),
-        "prefill": bench_prefill(tcfg, tp, dcfg, dp, args.reps),
-        "dispatch_ms": bench_dispatch(tcfg, tp, dcfg, dp, args.reps),
-        "batches": [bench_batch(tcfg, tp, dcfg, dp, b, ks, args.reps) for b in args.batch],
+        "prefill": bench_prefill(tcfg, tp, dcfg, dp, args.reps, sz),
+        "dispatch_ms": bench_dispatch(tcfg, tp, dcfg, dp, args.reps, sz),
+        "batches": [bench_batch(tcfg, tp, dcfg, dp, b, ks, args.reps, sz) for b in args.batch],
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

@@ -10,7 +10,14 @@ verified per round (from the engine's metrics).
 
     python benchmarks/serving_frontier.py --run-dir runs/tiny --temperature 1 --prompt-len 96
                                        # the demo's models and held-out prompts, sampled
-    python benchmarks/serving_frontier.py --synthetic                  # smoke run, test models
+    python benchmarks/serving_frontier.py --synthetic      # test models that agree often
+    python benchmarks/serving_frontier.py --smoke          # seconds: the same path and keys
+                                                           # (synthetic unless --run-dir)
+
+`--smoke`: concurrency 1 and 2, one request per client, 8 new tokens, one repeat, one token
+bucket (one round program to compile), γ = 3 for the synthetic models, the cost profile (when
+the run has none, or --synthetic without --cost-profile) measured in one step per point; the
+JSON and PNG go to a temporary directory unless --out.
 
 Prints one JSON object with a `summary` (alg1_over_fixed_envelope_min,
 alg1_over_mtp1_at_matched_speed, retraces_after_warmup) and writes a PNG next to --out.
@@ -22,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 
@@ -29,17 +37,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 from dspark_jax.engine import RequestParams, ServingEngine  # noqa: E402
+from dspark_jax.eval.decode_cost import measure_profile  # noqa: E402
 from dspark_jax.sched import CostProfile  # noqa: E402
+from dspark_jax.testing import agreeing_pair  # noqa: E402
+
+OUT = "benchmarks/results/serving_frontier.json"
 
 
 def load_models(args):
     if args.synthetic:
-        from tests.engine_models import agreeing_pair
-
-        tcfg, tp, dcfg, dp = agreeing_pair(vocab=64, gamma=7, max_position_embeddings=1024)
+        gamma = 3 if args.smoke else 7
+        tcfg, tp, dcfg, dp = agreeing_pair(vocab=64, gamma=gamma, max_position_embeddings=1024)
         cost = CostProfile.load(args.cost_profile) if args.cost_profile else None
         return tcfg, tp, dcfg, dp, None, cost
     from dspark_jax.run.rundir import RunDir
@@ -213,9 +222,12 @@ def plot(results: dict, path: str) -> bool:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    src = ap.add_mutually_exclusive_group(required=True)
+    src = ap.add_mutually_exclusive_group()
     src.add_argument("--run-dir")
     src.add_argument("--synthetic", action="store_true")
+    ap.add_argument(
+        "--smoke", action="store_true", help="seconds-sized run (synthetic unless --run-dir)"
+    )
     ap.add_argument("--cost-profile", default="")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--rounds-per-client", type=int, default=4, help="requests per client")
@@ -232,8 +244,19 @@ def main(argv=None):
         "--temperature", type=float, default=0.0, help="0 = greedy; the demo evaluates at 1"
     )
     ap.add_argument("--policies", nargs="*", default=None)
-    ap.add_argument("--out", default="benchmarks/results/serving_frontier.json")
+    ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
+    cost_steps, cost_repeats, host_reps = 6, 2, 200
+    if args.smoke:
+        args.synthetic = not args.run_dir
+        args.concurrency, args.rounds_per_client, args.repeats = [1, 2], 1, 1
+        args.max_new_tokens = 8
+        args.prompt_len = args.prompt_len if args.run_dir else 8
+        cost_steps, cost_repeats, host_reps = 1, 1, 5
+        if args.out == OUT:
+            args.out = os.path.join(tempfile.mkdtemp(prefix="serving_frontier_"), "frontier.json")
+    elif not (args.run_dir or args.synthetic):
+        ap.error("one of --run-dir, --synthetic or --smoke is required")
 
     tcfg, tp, dcfg, dp, sts, cost = load_models(args)
     n = max(args.concurrency)
@@ -241,14 +264,11 @@ def main(argv=None):
     eng = ServingEngine(
         tcfg, dcfg, tp, dp, num_slots=n, max_len=max_len, prompt_buckets=(args.prompt_len,),
         modes=("greedy" if args.temperature == 0 else "sampled",), policy="fixed", sts=sts,
+        **({"token_buckets": (n * (dcfg.block_size + 1),)} if args.smoke else {}),
     )  # fmt: skip
-    if cost is None:
-        sys.path.insert(0, os.path.dirname(__file__))
-        import decode_cost
-
-        best = decode_cost.time_points(eng, decode_cost.measure_points(n, eng.gamma),
-                                       context=args.prompt_len, steps=6, repeats=2)  # fmt: skip
-        cost, _ = decode_cost.profile_from(eng, best, {})
+    if cost is None:  # measured on this engine (dspark_jax.eval.decode_cost)
+        cost, _ = measure_profile(eng, context=args.prompt_len, steps=cost_steps,
+                                  repeats=cost_repeats)  # fmt: skip
     t0 = time.perf_counter()
     eng.warmup()
     warm = eng.compilations
@@ -289,7 +309,7 @@ def main(argv=None):
     eng.shutdown(drain=True)
     summary = summarize(results)
     summary["retraces_after_warmup"] = eng.compilations - warm
-    summary["scheduler_host_us_per_round"] = scheduler_host_us(eng, table, cost, sts)
+    summary["scheduler_host_us_per_round"] = scheduler_host_us(eng, table, cost, sts, host_reps)
     summary["warmup_and_run_s"] = time.perf_counter() - t0
     out = {"config": vars(args), "gamma": eng.gamma, "results": results, "summary": summary}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -15,6 +15,9 @@ Prints ONE JSON object:
 * ``cache_build_s`` / ``cache_mb``: building the offline cache (not in the step timings).
 
     python benchmarks/train_step.py [--steps 16] [--dtype float32] [--micro-batch 4]
+    python benchmarks/train_step.py --smoke   # seconds: the same path and keys; 1 timed step,
+                                              # micro-batch 2, no accumulation, 16 sequences
+                                              # of 24..64 tokens (one bucket met), γ = 2
 """
 
 from __future__ import annotations
@@ -40,12 +43,12 @@ from dspark_jax.train.trainer import Trainer
 BUCKETS = (64, 128)
 
 
-def samples(n: int, vocab: int, seed: int = 0) -> list[TokenizedSample]:
+def samples(n: int, vocab: int, seed: int = 0, lengths=(40, 128)) -> list[TokenizedSample]:
     """Sequences of 40..128 tokens (two buckets) with a supervised second half."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        length = int(rng.integers(40, 129))
+        length = int(rng.integers(lengths[0], lengths[1] + 1))
         ids = rng.integers(0, vocab, length).astype(np.int32)
         mask = np.zeros(length, np.uint8)
         mask[length // 2 :] = 1
@@ -53,14 +56,16 @@ def samples(n: int, vocab: int, seed: int = 0) -> list[TokenizedSample]:
     return out
 
 
-def drafter(kind: str, target) -> DrafterConfig:
-    small = dict(num_layers=1, block_size=7)
+def drafter(kind: str, target, block: int = 7, anchors: int = 16) -> DrafterConfig:
+    small = dict(num_layers=1, block_size=block)
     if kind == "eagle3":
-        return DrafterConfig.eagle3(target, block_size=7)
+        return DrafterConfig.eagle3(target, block_size=block)
     mask = target.vocab_size - 1
     if kind == "dflash":
-        return DrafterConfig.dflash(target, **small, num_anchors=16, mask_token_id=mask)
-    return DrafterConfig.dspark(target, **small, num_anchors=16, mask_token_id=mask, markov_rank=32)
+        return DrafterConfig.dflash(target, **small, num_anchors=anchors, mask_token_id=mask)
+    return DrafterConfig.dspark(
+        target, **small, num_anchors=anchors, mask_token_id=mask, markov_rank=32
+    )
 
 
 def warmup_steps(trainer: Trainer, minimum: int) -> int:
@@ -76,8 +81,8 @@ def warmup_steps(trainer: Trainer, minimum: int) -> int:
     return max(k, minimum)
 
 
-def bench(kind, mode, target_cfg, target_params, data, cfg, mesh, steps, workdir) -> dict:
-    dcfg = drafter(kind, target_cfg).replace(dtype=cfg.compute_dtype)
+def bench(kind, mode, target_cfg, target_params, data, cfg, mesh, steps, workdir, dkw) -> dict:
+    dcfg = drafter(kind, target_cfg, **dkw).replace(dtype=cfg.compute_dtype)
     t = Trainer.for_drafter(
         cfg,
         dcfg,
@@ -109,15 +114,21 @@ def bench(kind, mode, target_cfg, target_params, data, cfg, mesh, steps, workdir
     }
 
 
-def main():
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--kinds", default="dspark,dflash,eagle3")
-    args = ap.parse_args()
-
+    ap.add_argument("--smoke", action="store_true", help="seconds-sized run, the same keys")
+    args = ap.parse_args(argv)
+    n_samples, lengths, dkw = 256, (40, 128), {}
+    drafters_doc = "1 layer, block 7, 16 anchors/sequence (DSpark/DFlash), Markov r=32"
+    if args.smoke:
+        args.steps, args.micro_batch, args.accum = 1, 2, 1
+        n_samples, lengths, dkw = 16, (24, BUCKETS[0]), dict(block=2, anchors=4)
+        drafters_doc = "1 layer, block 2, 4 anchors/sequence (DSpark/DFlash), Markov r=32"
     target_cfg = tiny_target_config(max_position_embeddings=256)
     target_params = transformer.init_params(target_cfg, 0)
     mesh = parallel.make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
@@ -132,11 +143,11 @@ def main():
         log_interval=0,
         progress_bar=False,
     )
-    data = samples(256, target_cfg.vocab_size)
+    data = samples(n_samples, target_cfg.vocab_size, lengths=lengths)
     out: dict = {
         "benchmark": "train_step",
         "target": "tiny_target_config (4 layers, H=64, V=256, 3 feature layers)",
-        "drafters": "1 layer, block 7, 16 anchors/sequence (DSpark/DFlash), Markov r=32",
+        "drafters": drafters_doc,
         "global_batch": cfg.global_batch_size,
         "micro_batch": cfg.micro_batch_size,
         "buckets": list(BUCKETS),
@@ -179,6 +190,7 @@ def main():
                     mesh,
                     args.steps,
                     work,
+                    dkw,
                 )
                 c = r.pop("_compiles")
                 compiles.update(c)
@@ -192,6 +204,7 @@ def main():
             )
         out["compiles_per_bucket"] = max(per_bucket)
     print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

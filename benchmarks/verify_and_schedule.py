@@ -7,11 +7,15 @@ Prints ONE JSON object:
   ``verify_tokens_per_s_B{B}_g{γ}`` (``B * (γ + 1)`` scored positions per round);
 * baseline in the same run: ``greedy_verify_ms_B{B}_g{γ}`` and the ratio
   ``sampled_over_greedy_B{B}_g{γ}``;
-* ``sched_us_R{R}``: Algorithm 1 (vectorised) for ``R`` requests x γ = 7; ``sched_async_us_R{R}``
-  and ``sched_threshold_us_R{R}`` for the other policies; baseline ``sched_loop_us_R{R}`` (the
-  paper's plain Python loop, ``causal_greedy_reference``) and ``sched_speedup_R{R}``.
+* ``sched_us_R{R}``: Algorithm 1 (vectorised, ``causal_greedy_lengths``) for ``R`` requests x
+  γ = 7; ``sched_engine_us_R{R}``: ``CausalGreedy`` as the engine runs it (the unbucketed walk
+  and the token bucket's fill); ``sched_async_us_R{R}`` and ``sched_threshold_us_R{R}`` for the
+  other policies; baseline ``sched_loop_us_R{R}`` (the paper's plain Python loop,
+  ``causal_greedy_reference``, equal lengths to ``sched_us``'s) and ``sched_speedup_R{R}``.
 
     python benchmarks/verify_and_schedule.py [--vocab 32000] [--min-time 0.3]
+    python benchmarks/verify_and_schedule.py --smoke   # seconds: the same keys, for B in
+                                                       # {1, 2}, γ = 2, R in {1, 8}, V = 64
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.sched import AsyncTopK, CausalGreedy, CostProfile, StaticThreshold
-from dspark_jax.sched.policies import causal_greedy_reference
+from dspark_jax.sched.policies import causal_greedy_lengths, causal_greedy_reference
 from dspark_jax.spec import RequestRng, SamplingConfig, validate_sampling_params, verify_core
 
 
@@ -85,15 +89,17 @@ def bench_schedulers(num_requests: int, gamma: int, min_time: float, seed: int =
         (100.0, 97.0, 80.0, 35.0, 9.0),
         token_buckets=tuple(2**i for i in range(13)),
     )
-    greedy, asynchronous, thresh = CausalGreedy(cost), AsyncTopK(cost), StaticThreshold(0.6)
-    t_greedy = _time(lambda: greedy(conf), min_time, 20)
+    engine, asynchronous, thresh = CausalGreedy(cost), AsyncTopK(cost), StaticThreshold(0.6)
+    t_greedy = _time(lambda: causal_greedy_lengths(conf, cost), min_time, 20)
+    t_engine = _time(lambda: engine(conf), min_time, 20)
     t_async = _time(lambda: asynchronous(conf, stale_conf=stale), min_time, 20)
     t_thresh = _time(lambda: thresh(conf), min_time, 20)
     t_loop = _time(lambda: causal_greedy_reference(conf, cost), min_time, 5)
-    assert np.array_equal(greedy(conf), causal_greedy_reference(conf, cost))
+    assert np.array_equal(causal_greedy_lengths(conf, cost), causal_greedy_reference(conf, cost))
     key = f"R{num_requests}"
     return {
         f"sched_us_{key}": round(t_greedy * 1e6, 2),
+        f"sched_engine_us_{key}": round(t_engine * 1e6, 2),
         f"sched_async_us_{key}": round(t_async * 1e6, 2),
         f"sched_threshold_us_{key}": round(t_thresh * 1e6, 2),
         f"sched_loop_us_{key}": round(t_loop * 1e6, 2),
@@ -101,7 +107,7 @@ def bench_schedulers(num_requests: int, gamma: int, min_time: float, seed: int =
     }
 
 
-def main():
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batches", default="1,16,64")
@@ -109,7 +115,11 @@ def main():
     ap.add_argument("--requests", default="1,64,256")
     ap.add_argument("--sched-gamma", type=int, default=7)
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds of timing per entry")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="seconds-sized run, the same keys")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.vocab, args.batches, args.gammas, args.requests = 64, "1,2", "2", "1,8"
+        args.min_time = 0.0
     out = {
         "device": str(jax.devices()[0].device_kind),
         "backend": jax.default_backend(),
@@ -125,6 +135,7 @@ def main():
     for r in map(int, args.requests.split(",")):
         out.update(bench_schedulers(r, args.sched_gamma, args.min_time))
     print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

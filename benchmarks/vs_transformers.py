@@ -14,6 +14,8 @@ Ours is measured with the default device loop (prefill + one `lax.while_loop`) a
 host-driven loop (one jitted step per token) to show which is faster on this machine.
 
     python benchmarks/vs_transformers.py [--new 64] [--prompt 32] [--repeats 3]
+    python benchmarks/vs_transformers.py --smoke   # seconds: the same path and keys on the
+        # tiny test target's shape (4 x 64, V = 256), batches 1 and 2, 4 new tokens, 1 repeat
 
 Prints one JSON object.
 """
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -32,20 +33,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 from dspark_jax.models.generate import generate  # noqa: E402
 from dspark_jax.models.hf import load_target  # noqa: E402
-from dspark_jax.testing import small_target_config  # noqa: E402
+from dspark_jax.testing import small_target_config, tiny_target_config  # noqa: E402
 
 THREADS = 2
 
 
-def build_torch_model(init_std: float, seed: int = 0):
+def build_torch_model(init_std: float, seed: int = 0, smoke: bool = False):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    c = small_target_config()
+    c = tiny_target_config() if smoke else small_target_config()
     hf_cfg = Qwen3Config(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -105,13 +104,16 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--init-std", type=float, default=0.05)
+    ap.add_argument("--smoke", action="store_true", help="seconds-sized run, the same keys")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.new, args.prompt, args.batches, args.repeats = 4, 8, [1, 2], 1
 
     import torch
     import transformers
 
     torch.set_num_threads(THREADS)
-    model = build_torch_model(args.init_std)
+    model = build_torch_model(args.init_std, smoke=args.smoke)
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         cfg, params = load_target(d)
@@ -173,6 +175,7 @@ def main(argv=None):
         "load_avg_1min": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

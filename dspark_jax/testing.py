@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax import drafters
 from dspark_jax.config import DrafterConfig, RopeScaling, TargetConfig
 from dspark_jax.demo.corpus import sample_text
 from dspark_jax.engine.compiles import CompileCounter as CompileCounter  # the retrace guard
@@ -89,6 +90,24 @@ def tiny_drafter_config(kind: str = "dspark", target=None, **overrides):
     return getattr(DrafterConfig, kind)(target, **base)
 
 
+def smoke_models(seed: int = 0):
+    """(tcfg, tparams, dcfg, dparams) of the benchmarks' `--smoke` runs: `tiny_target_config()`
+    (random weights, no compilation) and a 1-layer DSpark drafter, γ = 2, 4 anchors, r = 16. One
+    pair for all of them, so the smoke runs in one process (tests/test_benchmarks_smoke.py) share
+    the programs they compile."""
+    tcfg = tiny_target_config()
+    tparams = random_params(tcfg, seed)
+    dcfg = smoke_drafter_config(tcfg)
+    return tcfg, tparams, dcfg, drafters.init_params(dcfg, seed=seed + 1, target_params=tparams)
+
+
+def smoke_drafter_config(target: TargetConfig | None = None) -> DrafterConfig:
+    """The `smoke_models` drafter's configuration for `target` (default `tiny_target_config()`)."""
+    target = target or tiny_target_config()
+    return DrafterConfig.dspark(target, num_layers=1, block_size=2, num_anchors=4, markov_rank=16,
+                                mask_token_id=target.vocab_size - 1)  # fmt: skip
+
+
 def drafter_batch(
     target_cfg, target_params, batch: int = 2, length: int = 24, seed: int = 1, prompt: int = 5
 ):
@@ -151,3 +170,64 @@ def gemma4_style_tokenizer(cache_dir: str | os.PathLike, vocab_size: int = 512) 
     tok.add_special_tokens({"additional_special_tokens": list(GEMMA4_SPECIAL_TOKENS)})
     tok.chat_template = GEMMA4_STYLE_TEMPLATE
     return tok
+
+
+# ---------------------------------------------------------------------------------------------
+# A target and a DSpark drafter that agree often (but not always), for engine exactness tests
+# and the synthetic serving benchmark.
+#
+# The target is a random Qwen2 block whose residual branches are scaled by `mix`, with an untied
+# LM head that maps each token's own (normalised) embedding to `perm[token]`: its next token is
+# mostly `perm[current]`, but attention over the context changes it now and then (so cache
+# mistakes change the output). The drafter's vanilla Markov head (rank V) adds
+# `bias * onehot(perm[prev])`, so it drafts the permutation chain: drafts are accepted for
+# several slots, then rejected where the context matters.
+
+
+def _set(leaf, value):
+    return leaf.replace(jnp.asarray(value, jnp.float32))
+
+
+def agreeing_pair(
+    vocab=64, gamma=4, mix=0.2, head_scale=8.0, markov_bias=500.0, seed=0, **target_kw
+):
+    """(tcfg, tparams, dcfg, dparams)."""
+    tcfg = tiny_target_config("qwen2", vocab_size=vocab, **target_kw)
+    tp = jax.tree.map(lambda x: x, random_params(tcfg, seed))
+    for i in range(tcfg.num_layers):
+        layer = tp["layers"][i]
+        o = layer["self_attn"]["o_proj"]["kernel"]
+        layer["self_attn"]["o_proj"]["kernel"] = _set(o, o[...] * mix)
+        d = layer["mlp"]["down_proj"]["kernel"]
+        layer["mlp"]["down_proj"]["kernel"] = _set(d, d[...] * mix)
+    perm = np.random.default_rng(seed).permutation(vocab)
+    emb = np.asarray(tp["embed_tokens"][...])
+    unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    head = np.zeros((tcfg.hidden_size, vocab), np.float32)
+    head[:, perm] = (unit * head_scale).T
+    tp["lm_head"]["kernel"] = _set(tp["lm_head"]["kernel"], head)
+    dcfg, dp = markov_drafter(tcfg, tp, perm, gamma, markov_bias, seed)
+    return tcfg, tp, dcfg, dp
+
+
+def markov_drafter(tcfg, tp, perm, gamma, markov_bias, seed):
+    """(dcfg, dparams): a one-layer DSpark drafter for `tcfg` whose vanilla Markov head (rank V)
+    adds `markov_bias * onehot(perm[prev])`: it drafts the permutation chain."""
+    vocab = tcfg.vocab_size
+    dcfg = DrafterConfig.dspark(
+        tcfg,
+        num_layers=1,
+        block_size=gamma,
+        mask_token_id=vocab - 1,
+        num_anchors=8,
+        markov_rank=vocab,
+        markov_head_type="vanilla",
+    )
+    dp = drafters.init_params(dcfg, seed=seed + 1, target_params=tp)
+    tr = jax.tree.map(lambda x: x, dp.trainable)
+    w2 = np.zeros((vocab, vocab), np.float32)
+    w2[np.arange(vocab), perm] = markov_bias
+    mh = tr["markov_head"]
+    mh["markov_w1"] = _set(mh["markov_w1"], np.eye(vocab, dtype=np.float32))
+    mh["markov_w2"]["kernel"] = _set(mh["markov_w2"]["kernel"], w2)
+    return dcfg, dp._replace(trainable=tr)

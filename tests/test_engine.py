@@ -4,6 +4,7 @@ bucket (with drafts that are really accepted), request lifecycle, errors, no ret
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import numpy as np
@@ -258,7 +259,8 @@ def test_alg1_fills_the_token_bucket_with_next_ranked_drafts():
     )  # fmt: skip
     rho = np.random.default_rng(0).normal(1.0, 1.0, (3, 4))
     caps = np.full(3, 4)
-    base = causal_greedy_lengths(sch.calibrate(rho), sch.policy.cost, caps)
+    flat = dataclasses.replace(sch.policy.cost, token_buckets=())  # the curve Algorithm 1 walks
+    base = causal_greedy_lengths(sch.calibrate(rho), flat, caps)
     got = sch.lengths(rho, caps)
     total = 3 + int(base.sum())
     bucket = next(b for b in (4, 8, 16) if b >= total)

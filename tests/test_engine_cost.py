@@ -10,7 +10,7 @@ import json
 import pathlib
 
 from dspark_jax.engine import ServingEngine
-from dspark_jax.sched import CostProfile
+from dspark_jax.sched import CausalGreedy, CostProfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -41,19 +41,20 @@ def test_profile_layout_and_buckets_match_engine(tmp_path):
     )  # fmt: skip
     assert prof.token_buckets == eng.token_buckets == tuple(meta["token_buckets"])
     assert meta["num_slots"] == eng.num_slots and meta["gamma"] == eng.gamma
-    # Algorithm 1 walks the measured curve without the bucket cliffs (then fills the bucket);
-    # the async capacity search charges the buckets exactly
-    assert eng.scheduler.policy.cost == dataclasses.replace(prof, token_buckets=())
-    assert eng.scheduler.fill_bucket and eng.scheduler.token_buckets == prof.token_buckets
+    # the profile as measured, with the engine's buckets: Algorithm 1 walks its curve without
+    # the bucket cliffs, then fills the bucket (sched.policies); the async capacity search
+    # charges the buckets exactly
+    assert eng.scheduler.policy == CausalGreedy(prof)
+    assert eng.scheduler.token_buckets == prof.token_buckets
     eng.set_policy("async", cost_profile=prof)
     assert eng.scheduler.policy.cost == prof  # used as measured, nothing re-bucketed
     assert set(prof.tokens) <= set(eng.token_buckets)  # every point is a bucket the engine runs
     assert all(t > 0 for t in prof.steps_per_s)
 
 
-def test_scheduler_fast_path_equals_the_policy_functions():
-    """Algorithm 1 / async top-K in the engine rank once per round (host time is round time);
-    lengths equal the `sched.policies` functions followed by the bucket fill, ties included."""
+def test_scheduler_lengths_equal_the_policy_functions_and_the_bucket_fill():
+    """Algorithm 1 / async top-K as the engine runs them equal the plain `sched.policies`
+    functions (Algorithm 1 on the unbucketed curve) followed by the bucket fill, ties included."""
     import numpy as np
 
     from dspark_jax.engine.scheduling import Scheduler
@@ -67,7 +68,6 @@ def test_scheduler_fast_path_equals_the_policy_functions():
         kw = dict(policy_gamma=None, threshold=0.5, cost=cost, sts=None, token_buckets=buckets,
                   has_confidence=True)  # fmt: skip
         alg1, asy = Scheduler("alg1", g, **kw), Scheduler("async", g, **kw)
-        assert alg1._sps is not None
         for _ in range(60):
             r = int(rng.integers(1, 9))
             rho = rng.normal(1.0, 2.0, (r, g)).round(1)  # rounded: ties happen
@@ -84,3 +84,35 @@ def test_scheduler_fast_path_equals_the_policy_functions():
             k = int(rng.integers(0, r * g + 1))
             asy._next_capacity = k
             assert np.array_equal(asy.lengths(rho, caps), fill(top_k_lengths(conf, k, caps)))
+
+
+def test_public_causal_greedy_verifies_what_the_engine_verifies():
+    """One Algorithm 1: `sched.CausalGreedy` on a profile with the engine's token buckets gives
+    the lengths the engine's scheduler verifies (it is what the engine calls), the bucket fill
+    included. The plain walk of the bucketed curve stops at the first bucket cliff: on the demo
+    run's measured profile it verifies half as many tokens or fewer (often only the R anchors)."""
+    import numpy as np
+
+    from dspark_jax.engine.scheduling import Scheduler
+    from dspark_jax.sched import causal_greedy_lengths
+
+    measured = json.loads((ROOT / "benchmarks/results/decode_cost.tiny_run.json").read_text())
+    sps = measured["steps_per_s"]
+    buckets = tuple(measured["token_buckets"])  # (1, 2, 4, ..., 256)
+    prof = CostProfile(tuple(map(int, sps)), tuple(sps.values()), token_buckets=buckets)
+    g, rng = measured["gamma"], np.random.default_rng(0)
+    kw = dict(policy_gamma=None, threshold=0.5, sts=None, token_buckets=buckets,
+              has_confidence=True)  # fmt: skip
+    for r in (1, 4, 8, 16, 32):
+        conf = rng.uniform(0.6, 1.0, (r, g))
+        rho, caps = np.log(conf / (1 - conf)), np.full(r, g)
+        for cost in (prof, dataclasses.replace(prof, token_buckets=())):  # either way round
+            engine = Scheduler("alg1", g, cost=cost, **kw)
+            public = CausalGreedy(dataclasses.replace(cost, token_buckets=buckets))
+            c = engine.calibrate(rho)
+            got = engine.lengths(rho, caps)
+            np.testing.assert_array_equal(public(c, max_len=caps), got)
+            verified = r + int(got.sum())
+            assert verified in buckets and verified >= 4 * r, (r, verified)
+        plain = r + int(causal_greedy_lengths(c, prof, caps).sum())  # stopped at a cliff
+        assert 2 * plain <= verified, (r, plain, verified)

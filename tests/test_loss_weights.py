@@ -11,7 +11,13 @@ from toy_train import base_config, make_samples, one_device_mesh, tiny_target
 from dspark_jax.drafters import api
 from dspark_jax.errors import ConfigError
 from dspark_jax.testing import CompileCounter, drafter_batch, tiny_drafter_config
-from dspark_jax.train.losses import LossWeights, loss_fn, loss_structure, position_weights
+from dspark_jax.train.losses import (
+    LossWeights,
+    combine_terms,
+    loss_fn,
+    loss_structure,
+    position_weights,
+)
 from dspark_jax.train.trainer import Trainer
 
 _loss = jax.jit(loss_fn, static_argnums=0)
@@ -84,6 +90,27 @@ def test_new_weights_reuse_the_compiled_loss_and_vmap_over_settings(setup):
     np.testing.assert_allclose(mapped(LossWeights.stack(settings)), each, rtol=1e-6)
     with pytest.raises(ValueError, match=r"weights.position has shape \(3,\), expected \(4,\)"):
         loss_fn(cfg, *p, batch, key, settings[0]._replace(position=np.ones(3, np.float32)))
+
+
+def test_a_loss_structure_without_weights_is_refused(setup):
+    """`loss_structure(cfg)` holds stand-in weights (α = 1 for every term that is on): used
+    without `weights` it would train another loss silently, so every entry point refuses it."""
+    tcfg, tparams, batch = setup
+    key = jax.random.key(0)
+    for kind in ("dspark", "eagle3"):
+        cfg, p = _drafter(kind, tcfg, tparams)
+        structure = loss_structure(cfg)
+        assert structure != cfg and loss_structure(structure) == structure
+        with pytest.raises(TypeError, match=r"pass weights=LossWeights.of\(cfg\)"):
+            loss_fn(structure, *p, batch, key)
+        with pytest.raises(TypeError, match="stand-in loss weights"):
+            _loss(structure, *p, batch, key)  # under jit too
+        with_weights = float(_loss(structure, *p, batch, key, LossWeights.of(cfg))[0])
+        assert with_weights == float(_loss(cfg, *p, batch, key)[0])  # cfg alone: its own weights
+    t = {k: jnp.ones(()) for k in ("ce_num", "ce_den", "l1_num", "l1_den", "accept_num",
+                                   "accept_den", "tau_num", "tau_den")}  # fmt: skip
+    with pytest.raises(TypeError, match="stand-in"):
+        combine_terms(loss_structure(cfg), t)
 
 
 def test_trainer_steps_are_compiled_once_for_every_loss_weight(tmp_path):

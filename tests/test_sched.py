@@ -207,6 +207,7 @@ def test_lengths_are_prefixes_of_the_ranking(conf, cost, capacity, data):
         causal_greedy_lengths(conf, cost, max_len),
         top_k_lengths(conf, capacity, max_len),
         AsyncTopK(cost)(conf, max_len=max_len, stale_conf=np.flip(conf, 0)),
+        CausalGreedy(cost)(conf, max_len=max_len),  # with token buckets: the bucket fill too
     ):
         assert lengths.dtype == np.int32 and np.all((0 <= lengths) & (lengths <= max_len))
         assert admitted(lengths) == set(rank[: lengths.sum()])
@@ -262,6 +263,7 @@ def test_admission_never_depends_on_the_tokens_own_value(conf, cost, capacity, s
         lambda c: causal_greedy_lengths(c, cost),
         lambda c: top_k_lengths(c, capacity),
         lambda c: AsyncTopK(cost)(c, stale_conf=stale),
+        lambda c: CausalGreedy(cost)(c),  # the engine's: with token buckets, the bucket fill
         lambda c: threshold_lengths(c, 0.5),
     )
     num_req, num_slots = conf.shape

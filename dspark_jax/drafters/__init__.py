@@ -31,8 +31,8 @@ Inference (pure, jit-able; `cfg` and `scfg` static, everything else arrays):
     After a verify round with A accepted drafts: features of positions start..start+A and
     next_tokens = [d_1..d_A, new_anchor], num_new = A + 1.
   * `propose(cfg, params, ctx, anchor[B], key, seeds[B], sampling, scfg)` -> Proposal:
-    draft_tokens [B, γ] int32, draft_probs [B, γ, V] fp32 (the exact distribution each token was
-    drawn from, after the sampling transform), conf_logits [B, γ] fp32 (None for DFlash/Eagle3).
+    tokens [B, γ] int32, probs [B, γ, V] fp32 (the exact distribution each token was drawn
+    from, after the sampling transform), conf_logits [B, γ] fp32 (None for DFlash/Eagle3).
     The anchor sits at position `ctx.lengths`; the draft token of slot k at `ctx.lengths + k + 1`
     and is drawn with `spec.rng.position_keys(key, DRAFT, seeds, position)`, so a request's
     draft does not depend on the batch it shares. `sampling`/`scfg` are the target's

@@ -19,6 +19,17 @@ Policies (one interface, :class:`Policy`):
   two rounds earlier by an unconstrained global search (``argmax_K Theta(K)``, no early stop); the
   current round admits the ``K`` largest current survivals (same order and ties).
 
+Token buckets (a ``"tokens"`` profile with ``token_buckets``, what the serving engine runs: the
+engine calls these same classes, `engine.scheduling`). A round of ``R + K`` tokens is padded to
+the next bucket, so :class:`CausalGreedy` and :class:`AsyncTopK` then admit the next-ranked drafts
+into the padding, which costs nothing (:func:`bucket_fill_count`). :class:`CausalGreedy` walks
+the profile's *unbucketed* curve (up to the largest bucket) for its early stop: the bucketed
+curve's cliffs (one more draft crossing into the next bucket looks like a loss even when the
+drafts that would fill that bucket pay for it) stop it early (below). Both stay lossless: the
+fill admits by rank, and its count depends only on ``K`` and ``R``. The functions
+(:func:`causal_greedy_lengths`, :func:`top_k_lengths`) are the plain algorithms on the profile as
+given, without the fill.
+
 Losslessness (paper Appendix A). The admission of slot ``j`` of request ``r`` must not depend on
 the value of draft ``d_{r,j}``. Confidences of later slots ``c_{r,j+1}, ...`` are computed from
 ``d_{r,j}``, so a policy may look only at candidates ranked before ``(r, j)``: survivals are
@@ -45,10 +56,12 @@ Seeing past such a cliff would require the retrospective look-ahead that breaks 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Protocol
 
 import numpy as np
 
+from dspark_jax.buckets import bucket_up_array
 from dspark_jax.sched.cost import CostProfile
 
 __all__ = [
@@ -64,6 +77,7 @@ __all__ = [
     "causal_greedy_lengths",
     "global_capacity",
     "top_k_lengths",
+    "bucket_fill_count",
     "causal_greedy_reference",
 ]
 
@@ -131,6 +145,8 @@ def _objective(a_sorted, order, num_req, cost: CostProfile, base_requests=None) 
 
 def _lengths_from_count(order, count, num_req, num_slots) -> np.ndarray:
     """Admit the first ``count [...]`` ranked candidates; return per-request lengths ``[..., R]``."""
+    if order.ndim == 1:  # one round (the engine's case): flat index j * R + r
+        return np.bincount(order[: int(count)] % num_req, minlength=num_req).astype(np.int32)
     admitted_sorted = np.arange(order.shape[-1]) < np.asarray(count)[..., None]
     admitted = np.zeros(order.shape, bool)
     np.put_along_axis(admitted, order, admitted_sorted, axis=-1)
@@ -169,6 +185,19 @@ def top_k_lengths(conf, capacity, max_len=None) -> np.ndarray:
     a_sorted, order, num_req, num_slots = _ranked(conf, max_len)
     count = np.minimum(np.asarray(capacity), np.sum(a_sorted > 0, axis=-1))
     return _lengths_from_count(order, count, num_req, num_slots)
+
+
+def bucket_fill_count(num_requests, count, positive, token_buckets) -> np.ndarray:
+    """``count [...]`` admitted drafts plus the free room of the token bucket that ``R + count``
+    tokens are padded to (the next-ranked drafts, at most ``positive [...]`` candidates with
+    ``a > 0`` in all). Unchanged without buckets or beyond the largest one."""
+    count = np.asarray(count, np.int64)
+    if not token_buckets:
+        return count
+    total = num_requests + count
+    bucket = bucket_up_array(total, token_buckets)
+    room = np.where(bucket > 0, bucket - total, 0)
+    return np.minimum(count + room, np.maximum(np.asarray(positive), count))
 
 
 def causal_greedy_reference(conf, cost: CostProfile) -> np.ndarray:
@@ -234,14 +263,44 @@ class StaticThreshold:
         return threshold_lengths(conf, self.theta, max_len)
 
 
+def _fills_bucket(cost: CostProfile) -> bool:
+    return cost.layout == "tokens" and bool(cost.token_buckets)
+
+
 @dataclasses.dataclass(frozen=True)
 class CausalGreedy:
-    """DSpark's hardware-aware scheduler (paper Algorithm 1, early stop)."""
+    """DSpark's hardware-aware scheduler (paper Algorithm 1, early stop): the serving engine's.
+
+    With a ``"tokens"`` profile that has ``token_buckets`` (the engine's), the early stop walks
+    the unbucketed curve up to the largest bucket and the bucket's padding is filled with the
+    next-ranked drafts (module docstring); otherwise :func:`causal_greedy_lengths` on ``cost``.
+    """
 
     cost: CostProfile
 
+    @functools.cached_property
+    def _sps(self) -> np.ndarray:
+        """SPS of the unbucketed curve per token count 0..largest bucket (tabulated once: the
+        engine runs this between a round's read-back and the next dispatch)."""
+        flat = dataclasses.replace(self.cost, token_buckets=())
+        return flat.sps(np.arange(self.cost.token_buckets[-1] + 1))
+
     def __call__(self, conf, *, max_len=None, stale_conf=None) -> np.ndarray:
-        return causal_greedy_lengths(conf, self.cost, max_len)
+        if not _fills_bucket(self.cost):
+            return causal_greedy_lengths(conf, self.cost, max_len)
+        a_sorted, order, num_req, num_slots = _ranked(conf, max_len)
+        n = max(min(a_sorted.shape[-1], self.cost.token_buckets[-1] - num_req), 0)
+        a = a_sorted[..., :n]
+        count = np.zeros(a.shape[:-1], np.int64)
+        if n:
+            start = np.full(a.shape[:-1] + (1,), float(num_req))
+            tau = np.cumsum(np.concatenate([start, a], axis=-1), axis=-1)  # as the loop adds
+            theta = tau * self._sps[num_req : num_req + n + 1]
+            improves = (theta[..., 1:] > theta[..., :-1]) & (a > 0)
+            count = np.where(improves.all(-1), n, np.argmin(improves, axis=-1))
+        positive = np.sum(a_sorted > 0, axis=-1)
+        count = bucket_fill_count(num_req, count, positive, self.cost.token_buckets)
+        return _lengths_from_count(order, count, num_req, num_slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +317,17 @@ class AsyncTopK:
     def capacity(self, stale_conf, num_requests) -> np.ndarray:
         return global_capacity(stale_conf, self.cost, num_requests)
 
+    def admit(self, conf, capacity, max_len=None) -> np.ndarray:
+        """The ``capacity [...]`` largest survivals, then (a ``"tokens"`` profile with
+        ``token_buckets``) the next-ranked drafts into the token bucket's padding."""
+        if not _fills_bucket(self.cost):
+            return top_k_lengths(conf, capacity, max_len)
+        a_sorted, order, num_req, num_slots = _ranked(conf, max_len)
+        positive = np.sum(a_sorted > 0, axis=-1)
+        count = np.minimum(np.asarray(capacity), positive)
+        count = bucket_fill_count(num_req, count, positive, self.cost.token_buckets)
+        return _lengths_from_count(order, count, num_req, num_slots)
+
     def __call__(self, conf, *, max_len=None, stale_conf=None) -> np.ndarray:
         c = np.asarray(conf)
         num_req = c.shape[-2]
@@ -265,7 +335,7 @@ class AsyncTopK:
             k = np.full(c.shape[:-2], num_req * self.cold_start_gamma)
         else:
             k = self.capacity(stale_conf, num_req)
-        return top_k_lengths(c, k, max_len)
+        return self.admit(c, k, max_len)
 
 
 def make_policy(name: str, **kw) -> Policy:

@@ -22,7 +22,8 @@ The trainer's contract is one function:
              soft-capped as the draft logits for a Gemma 4 target (`logit_softcap`).
   rng        a jax PRNG key: anchor sampling (DSpark/DFlash; fresh per step — e.g.
              fold_in(key, step)). Eagle3 ignores it.
-  weights    `LossWeights` (arrays: α's and per-position weights), or None = `LossWeights.of(cfg)`.
+  weights    `LossWeights` (arrays: α's and per-position weights), or None = `LossWeights.of(cfg)`
+             (a TypeError when `cfg` is a `loss_structure(...)`: its weights are stand-ins).
              Traced, not static: other values re-use the compiled loss, and `jax.vmap` maps a
              stack of settings (`LossWeights.stack`). A term switched off in `cfg` (α = 0, e.g.
              DFlash's L1) stays off whatever its weight here — switch it on in `cfg` to sweep it.
@@ -49,6 +50,7 @@ with equal weight is the trainer's job. Eagle3 is normalised per sequence as the
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -95,12 +97,35 @@ class LossWeights(NamedTuple):
         return jax.tree.map(lambda *x: jnp.stack(x), *settings)
 
 
-def loss_structure(cfg: DrafterConfig) -> DrafterConfig:
+class LossStructure(DrafterConfig):
+    """A `DrafterConfig` whose loss weights are stand-ins (built by `loss_structure`): the static
+    structure of a loss whose weights come as an argument. The loss functions refuse it without
+    `weights` (its stand-ins are not anyone's configured weights). Unequal to any plain
+    `DrafterConfig`, equal to another structure with the same fields."""
+
+
+def loss_structure(cfg: DrafterConfig) -> LossStructure:
     """`cfg` with its loss weights replaced by fixed stand-ins (1 for a term that is on, 0 for
     one that is off, the default decays): a static key shared by configs that differ only in
-    weight values. Pair it with `LossWeights.of(cfg)` — the real values come from there."""
+    weight values. Pair it with `LossWeights.of(cfg)` — the real values come from there; the
+    loss functions raise a TypeError when a structure comes without `weights`."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     on = {k: float(getattr(cfg, k) > 0) for k in ("ce_alpha", "l1_alpha", "conf_alpha")}
-    return cfg.replace(**on, loss_decay_gamma=4.0, step_loss_decay=0.8)
+    return LossStructure(**{**fields, **on, "loss_decay_gamma": 4.0, "step_loss_decay": 0.8})
+
+
+def weights_for(cfg: DrafterConfig, weights: LossWeights | None) -> LossWeights:
+    """`weights`, or `cfg`'s own (`LossWeights.of(cfg)`) when None — an error for a
+    `loss_structure(cfg)`, whose weights are stand-ins: training with them would silently use
+    α = 1 for every term that is on."""
+    if weights is not None:
+        return weights
+    if isinstance(cfg, LossStructure):
+        raise TypeError(
+            "loss_structure(cfg) holds stand-in loss weights (1 for every term that is on), not "
+            "the configured ones: pass weights=LossWeights.of(cfg) with the original cfg"
+        )
+    return LossWeights.of(cfg)
 
 
 def loss_fn(
@@ -113,7 +138,7 @@ def loss_fn(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The drafter's training loss for `cfg.kind` (see the module docstring for the contract)."""
     _check_batch(cfg, batch)
-    weights = LossWeights.of(cfg) if weights is None else weights
+    weights = weights_for(cfg, weights)
     if np.shape(weights.position) != (cfg.block_size,):
         raise ValueError(
             f"weights.position has shape {np.shape(weights.position)}, expected "
@@ -244,7 +269,7 @@ def block_terms(
     p_t = jax.nn.softmax(jax.lax.stop_gradient(target_logits_BxNxGxV).astype(f32), axis=-1)
     ce, l1 = ce_and_l1(logits_BxNxGxV.astype(f32), p_t, blocks.target_ids)
     mask = blocks.eval_mask.astype(f32)  # [B, N, γ]
-    pos = (LossWeights.of(cfg) if weights is None else weights).position
+    pos = weights_for(cfg, weights).position
     w = jnp.asarray(pos, f32)[None, None, :] * mask
     acc = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))  # 1 − TV = c*
     den = w.sum()
@@ -320,7 +345,7 @@ def combine_terms(
     """(loss, metrics) from summed `block_terms` (sum them over micro-batches or devices first
     to get one weighted mean over all of them). The terms `cfg` switches on (α > 0) are
     weighted by `weights` (None = `LossWeights.of(cfg)`)."""
-    a = LossWeights.of(cfg) if weights is None else weights
+    a = weights_for(cfg, weights)
     zero = jnp.zeros((), jnp.float32)
     ce = t["ce_num"] / (t["ce_den"] + EPS)
     l1 = t["l1_num"] / (t["l1_den"] + EPS)
@@ -357,7 +382,7 @@ def eagle3_loss(cfg, trainable, frozen, batch: Batch, weights=None) -> tuple[jax
     M^0 = loss_mask with each row's last real token cleared, M^k_t = M^0_{t+k}; w_k =
     `weights.position[k]` (default step_loss_decay^k = 0.8^k).
     """
-    step_w = (LossWeights.of(cfg) if weights is None else weights).position
+    step_w = weights_for(cfg, weights).position
     f32 = jnp.float32
     model = build(cfg, DrafterParams(trainable, frozen))
     ids = batch["input_ids"].astype(jnp.int32)
@@ -430,6 +455,7 @@ simulated_tau = block_tau  # τ per block [B] (docs/METHOD.md §4.5), owned by s
 
 __all__ = [
     "EPS",
+    "LossStructure",
     "LossWeights",
     "block_terms",
     "ce_and_l1",
@@ -440,4 +466,5 @@ __all__ = [
     "loss_structure",
     "position_weights",
     "simulated_tau",
+    "weights_for",
 ]
