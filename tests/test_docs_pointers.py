@@ -7,7 +7,9 @@ of the package).
 * every dotted `dspark_jax.a.b` name in a docstring of the package is a module (by file) or a
   top-level name of one (by `ast`), so a renamed or removed module cannot leave stale docstrings;
 * every `dspark_jax/...py` or `benchmarks/...py` path in the package's docstrings and comments
-  exists.
+  exists;
+* the package map (docs/ARCHITECTURE.md §2) lists every module file of `dspark_jax/` exactly once
+  and nothing that does not exist.
 """
 
 import ast
@@ -272,3 +274,78 @@ def test_paths_in_docstrings_and_comments_exist():
 )
 def test_the_name_checker_can_fail(name, ok):
     assert resolve_dotted(name) is ok
+
+
+# ------------------------------------------------------------------------------------------------
+# (e) the package map of docs/ARCHITECTURE.md §2 is the package's file list
+#
+# Each subsection's heading names the folder(s) its table covers (`models/`, `spec/` and `sched/`,
+# `dspark_jax/config/`); the first cell of each row names files: a bare `name.py` lies in the
+# heading's one folder, a `sub/name.py` under `dspark_jax/` (the notation of the subsections that
+# cover two folders, and of `runtime/` among the leaf modules). Subsections whose heading names
+# no folder (§2.1, the repository; §2.11, import direction) are not part of the map.
+
+_MAP_SECTION = re.compile(r"^## 2\.\s.*?(?=^## )", re.M | re.S)
+_SUBSECTION = re.compile(r"^### (2\.\d+)\s+(.*)$", re.M)
+_FOLDER = re.compile(r"`([\w/]*/)`")
+_FILE = re.compile(r"`([\w/]+\.py)`")
+
+
+def package_map(text: str) -> tuple[list[str], list[str]]:
+    """(files named by the package map, relative to dspark_jax/, in order; problems reading it)."""
+    section = _MAP_SECTION.search(text)
+    if section is None:
+        return [], ["no '## 2.' section"]
+    body = section.group(0)
+    heads = list(_SUBSECTION.finditer(body))
+    files, problems = [], []
+    for head, nxt in zip(heads, [*heads[1:], None], strict=True):
+        folders = [f.removeprefix("dspark_jax/") for f in _FOLDER.findall(head.group(2))]
+        if not folders:
+            continue
+        table = body[head.end() : nxt.start() if nxt else len(body)]
+        for row in table.splitlines():
+            cells = row.split("|")
+            if len(cells) < 3 or set(cells[1].strip()) <= set("-:"):
+                continue
+            for name in _FILE.findall(cells[1]):
+                if "/" in name:
+                    files.append(name)
+                elif len(folders) == 1:
+                    files.append(folders[0] + name)
+                else:
+                    problems.append(f"§{head.group(1)}: `{name}` needs its folder ({folders})")
+    return files, problems
+
+
+def package_map_problems(text: str) -> list[str]:
+    files, problems = package_map(text)
+    actual = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py")}
+    listed = set(files)
+    problems += [f"listed twice: {f}" for f in sorted({f for f in files if files.count(f) > 1})]
+    problems += [f"listed but no such file: dspark_jax/{f}" for f in sorted(listed - actual)]
+    problems += [f"not in the package map: dspark_jax/{f}" for f in sorted(actual - listed)]
+    return problems
+
+
+def test_package_map_lists_every_module_once():
+    problems = package_map_problems((DOCS / "ARCHITECTURE.md").read_text())
+    assert not problems, "fix docs/ARCHITECTURE.md §2:\n" + "\n".join(problems)
+
+
+def test_the_package_map_checker_can_fail():
+    text = (DOCS / "ARCHITECTURE.md").read_text()
+    files, _ = package_map(text)
+    assert {"runtime/xla_cpu.py", "models/hf.py", "drafters/hf.py", "cli/serve_engine.py"} <= set(
+        files
+    )
+    row = next(line for line in text.splitlines() if line.startswith("| `eval/decode_cost.py` |"))
+    assert "not in the package map: dspark_jax/eval/decode_cost.py" in package_map_problems(
+        text.replace(row + "\n", "")
+    )
+    stale = text.replace(row, row + "\n| `eval/gone.py` | removed |")
+    assert "listed but no such file: dspark_jax/eval/gone.py" in package_map_problems(stale)
+    twice = text.replace(row, row + "\n" + row)
+    assert "listed twice: eval/decode_cost.py" in package_map_problems(twice)
+    bare = text.replace("`eval/decode_cost.py`", "`decode_cost.py`")  # §2.10 covers two folders
+    assert any("needs its folder" in p for p in package_map_problems(bare))
