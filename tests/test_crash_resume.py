@@ -139,7 +139,7 @@ def test_server_killed_mid_warmup_restarts_from_the_compilation_cache(request, t
     env = {**_env(1), "DSPARK_COMPILATION_CACHE": str(cache)}
     port = free_port()
     args = [str(ROOT / "serve.py"), "serve", "--run-dir", str(run), "--port", str(port),
-            "--num-slots", "2", "--max-len", "128", "--log-level", "info"]  # fmt: skip
+            "--num-slots", "1", "--max-len", "64", "--log-level", "info"]  # fmt: skip
     log = tmp_path / "serve0.log"
     proc = _launch(args, log, env)
     at_load: list[int] = []

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.train.data import count_jsonl_rows
-from tests.procs import compile_like_this_process, free_port, wait_all
+from tests.procs import free_port, wait_all
 from tests.test_pipeline_mesh import _env, _report, one_device_run  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def _one_device_engine_ids(run: Path, prompt: list[int], n: int, **knobs) -> lis
     from dspark_jax.engine import RequestParams
     from dspark_jax.run.rundir import RunDir
 
-    eng = RunDir(run).decoder("dspark", max_len=128, length_buckets=(16,), num_slots=1)
+    eng = RunDir(run).decoder("dspark", max_len=64, length_buckets=(16,), num_slots=1)
     (out,) = eng.generate([prompt], RequestParams(n, **knobs))
     return [int(x) for x in out.tokens]
 
@@ -104,11 +104,10 @@ def test_serve_on_two_processes_gives_the_one_device_tokens(request, tmp_path):
     run = request.getfixturevalue("one_device_run")
     http = free_port()
     args = ["serve", "--run-dir", str(run), "--mesh", "1,2,2", "--port", str(http),
-            "--num-slots", "2", "--max-len", "128", "--policy", "fixed", "--log-level", "info",
+            "--num-slots", "2", "--max-len", "64", "--policy", "fixed", "--log-level", "info",
             "--kv-layout", "paged", "--page-size", "8"]  # fmt: skip
-    # compiled as the one-device engine in this process that gives the reference tokens
-    procs, logs = _launch("serve.py", args, free_port(), tmp_path,
-                          compile_like_this_process(_env(2)))  # fmt: skip
+    # compiled as the one-device engine in this process that gives the reference tokens (_env)
+    procs, logs = _launch("serve.py", args, free_port(), tmp_path)
     url = f"http://127.0.0.1:{http}"
     jobs = [([5, 6, 7, 8, 9, 10], 24, dict(temperature=0.8, top_p=0.9, seed=7)),
             ([11, 12, 13], 20, dict(temperature=0.0)),
