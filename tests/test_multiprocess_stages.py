@@ -202,3 +202,9 @@ def test_drafters_stage_with_offline_features_on_two_processes(request, tmp_path
     assert sorted(x.name for x in (run / "drafters").iterdir()) == ["done.json", "dspark"]
     assert (run / "drafters" / "dspark" / "best").is_dir(), tails
     assert not list(run.rglob("features")), "the per-host feature caches were left behind"
+    # the one-process run's training losses (as the target stage's per-host data gives): not
+    # yet — the two hosts' batches hold other samples or another order (docs/MEASUREMENTS.md)
+    rows = [map(json.loads, (r / "drafters/dspark/metrics.jsonl").open()) for r in (one_run, run)]
+    losses = [[x["loss"] for x in r if x["split"] == "train"] for r in rows]
+    if not np.allclose(losses[1], losses[0], rtol=1e-4):
+        pytest.xfail(f"two processes train DSpark on other batches: losses {losses}")
