@@ -191,6 +191,7 @@ def test_pipeline_stage_on_a_bucket_run_dir(bucket):
     assert not [p for p in bucket.local("gs://bkt/runs/micro").rglob("*.tmp")]
 
 
+@pytest.mark.slow  # the whole micro pipeline in a subprocess: 100 s from a cold cache
 def test_micro_pipeline_on_a_bucket_run_dir(bucket, tmp_path, monkeypatch):
     """`train.py --config configs/micro.py --run-dir gs://...` (one drafter, no speed timing; a
     subprocess on one device, like a user's run, with this test's fake bucket): every stage's
