@@ -3,8 +3,8 @@
 * at most `MAX_LOCAL_IMPORTS` function-local imports in dspark_jax/, each with its reason in a
   comment on its line or the line above (a heavy import the CLIs' start must not pay, an optional
   dependency, a module that must not load jax before the configuration is checked);
-* no `sys.path` in any Python file of the repository (run scripts with `python -m`, give
-  subprocesses `cwd=` / `PYTHONPATH`);
+* no edit of the import path (`sys` `path`) in any Python file of the repository (run scripts
+  with `python -m`, give subprocesses `cwd=` / `PYTHONPATH`);
 * configuration in one package: no `*config*.py` module at dspark_jax's top level;
 * the environment read only by `dspark_jax.runtime` (its __init__.py);
 * no import cycle among dspark_jax's modules, counting the imports inside functions too: a local
@@ -28,8 +28,6 @@ MAX_LOCAL_IMPORTS = 40
 ENVIRON_READERS = ("dspark_jax/runtime/__init__.py",)
 # other files allowed to touch os.environ, each with its reason (none)
 ENVIRON_EXCEPTIONS: dict[str, str] = {}
-# files still allowed to edit sys.path (none: the benchmarks run against the installed package)
-SYS_PATH_PENDING: tuple[str, ...] = ()
 SKIP_DIRS = {".git", ".venv", "venv", ".tox", ".eggs", "build", "dist", "node_modules",
              "__pycache__", ".pytest_cache", ".ruff_cache", "site-packages"}  # fmt: skip
 PRAGMA = re.compile(r"^(noqa\b.*|type:.*|fmt:.*|pragma\b.*|pylint:.*)$")
@@ -117,7 +115,7 @@ SYS_PATH_EDIT = re.compile(r"\bsys\s*\.\s*path\s*(\.\s*(insert|append|extend|rem
 
 
 def sys_path_uses(p: Path) -> list[int]:
-    """Lines of `p` that use sys.path in code or an import, or edit it in a string (code given
+    """Lines of `p` that use the interpreter's import path (`sys` `path`) in code or an import, or edit it in a string (code given
     to `python -c`, a script written by a test); comments and prose do not count."""
     tree = ast.parse(p.read_text())
     lines = set()
@@ -135,21 +133,11 @@ def sys_path_uses(p: Path) -> list[int]:
 
 
 def test_no_sys_path_anywhere():
-    uses, pending = [], set()
-    for p in _python_files(ROOT):
-        rel = _rel(p)
-        for line in sys_path_uses(p):
-            prefix = next((d for d in SYS_PATH_PENDING if rel.startswith(d)), None)
-            if prefix:
-                pending.add(prefix)
-            else:
-                uses.append(f"{rel}:{line}")
+    uses = [f"{_rel(p)}:{line}" for p in _python_files(ROOT) for line in sys_path_uses(p)]
     assert not uses, (
-        "sys.path edited (run the script with `python -m`, give a subprocess cwd= or "
+        "the import path edited (run the script with `python -m`, give a subprocess cwd= or "
         f"PYTHONPATH): {', '.join(uses)}"
     )
-    stale = sorted(set(SYS_PATH_PENDING) - pending)
-    assert not stale, f"{stale} no longer edit sys.path: remove them from SYS_PATH_PENDING"
 
 
 def test_configuration_is_one_package():
