@@ -8,7 +8,7 @@ default max_len 8192), all greedy, submitted at once; both engines run it to the
 warm-up. Random weights (the tiny 4-layer target and a 1-layer DSpark drafter): acceptance is
 low, only memory, concurrency and throughput are compared.
 
-    python benchmarks/kv_capacity.py [--max-len 8192] [--slots 2] [--paged-slots 8]
+    python benchmarks/kv_capacity.py [--max-len 8192] [--slots 2] [--paged-slots 32]
                                      [--requests 24] [--page 16] [--long 8000]
     python benchmarks/kv_capacity.py --smoke   # seconds: the same path and keys; max_len 256,
                                                # 4 paged slots, 4 requests, one bucket each
@@ -18,7 +18,8 @@ max_concurrent, retraces_after_warmup, and for paged preemptions, peak_used_page
 pages_leaked) and `summary` (concurrent_requests_paged_over_slots,
 tokens_per_s_paged_over_slots, batched_equals_serial: the paged engine's tokens, more requests
 batched, equal the slot engine's, whose tokens do not depend on batching (tests/test_engine.py),
-longest_prompt_served, pages_leaked, retraces_after_warmup).
+longest_prompt_served, pages_leaked, retraces_after_warmup, default_layout: the layout an
+engine built with no `kv_layout` gets, which is the paged engine's here).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-len", type=int, default=8192)
     ap.add_argument("--slots", type=int, default=2)
-    ap.add_argument("--paged-slots", type=int, default=8)
+    ap.add_argument("--paged-slots", type=int, default=32, help="the paged engine's rows")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--page", type=int, default=16)
@@ -147,9 +148,10 @@ def main(argv=None):
         print(json.dumps(out))
         return out
     num_pages = a.slots * a.max_len // a.page  # equal KV memory
-    slots_eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=a.slots, **common)
-    paged_eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=a.paged_slots, kv_layout="paged",
-                              page_size=a.page, num_pages=num_pages, **common)  # fmt: skip
+    slots_eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=a.slots, kv_layout="slots", **common)
+    # the default layout, its pool sized by the same memory
+    paged_eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=a.paged_slots, page_size=a.page,
+                              num_pages=num_pages, **common)  # fmt: skip
     s_row, s_out = _run(slots_eng, prompts, a.max_new)
     p_row, p_out = _run(paged_eng, prompts, a.max_new)
     summary = dict(
@@ -159,6 +161,7 @@ def main(argv=None):
         longest_prompt_served=max(len(p) for p, o in zip(prompts, p_out) if len(o) == a.max_new),
         pages_leaked=p_row["pages_leaked"],
         retraces_after_warmup=s_row["retraces_after_warmup"] + p_row["retraces_after_warmup"],
+        default_layout=paged_eng.config.kv_layout,
     )  # fmt: skip
     config = dict(vars(a), kv_positions=a.slots * a.max_len, num_pages=num_pages, gamma=GAMMA,
                   target="tiny qwen2 (4 layers, 64 wide), random", platform=platform.machine())  # fmt: skip

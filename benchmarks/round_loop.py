@@ -96,6 +96,11 @@ def _min_ms(fn, reps) -> float:
     return 1e3 * min(_timed(fn) for _ in range(reps))
 
 
+# the components (`_components`, `bench_prefill`, `bench_dispatch`) call the slot layout's device
+# programs directly, so every engine here is a slot engine
+LAYOUT = "slots"
+
+
 def _components(eng, tcfg, tp, dcfg, dp, b, reps, sz: Sizes):
     """(verify forward ms, proposal ms) of a round on the engine's state after a prefill, drafts
     verified in full."""
@@ -133,7 +138,7 @@ def bench_batch(tcfg, tp, dcfg, dp, b, ks, reps, sz: Sizes = Sizes()):
         eng = ServingEngine(
             tcfg, dcfg, tp, dp, num_slots=b, max_len=sz.max_len, prompt_buckets=(sz.prompt,),
             cache_buckets=sz.caches, token_buckets=(b * (dcfg.block_size + 1),),
-            modes=("greedy",), rounds_per_call=k,
+            modes=("greedy",), rounds_per_call=k, kv_layout=LAYOUT,
         )  # fmt: skip
         eng.warmup()
         engines[k] = eng
@@ -198,6 +203,7 @@ def bench_prefill(tcfg, tp, dcfg, dp, reps, sz: Sizes = Sizes()):
     eng = ServingEngine(
         tcfg, dcfg, tp, dp, num_slots=1, max_len=sz.prefill_caches[-1],
         prompt_buckets=(sz.prompt,), cache_buckets=sz.prefill_caches, modes=("greedy",),
+        kv_layout=LAYOUT,
     )  # fmt: skip
     toks = np.arange(sz.prompt, dtype=np.int32) % min(2000, tcfg.vocab_size - 1)
     out = {}
@@ -227,7 +233,8 @@ def bench_dispatch(tcfg, tp, dcfg, dp, reps, sz: Sizes = Sizes()):
     the engine passes them (`EnginePrograms.params`, flattened once) vs as `nnx.State`s."""
     from dspark_jax.eval.speed import _noop
 
-    eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=1, max_len=sz.max_len, modes=("greedy",))
+    eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=1, max_len=sz.max_len, modes=("greedy",),
+                        kv_layout=LAYOUT)  # fmt: skip
     out = {}
     for name, (a, b) in (("flat", eng.programs.params), ("nnx_state", (tp, dp))):
         run = lambda a=a, b=b: jax.block_until_ready(_noop(a, b, eng.programs.state))

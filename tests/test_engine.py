@@ -180,7 +180,9 @@ def test_a_config_object_builds_the_same_engine_as_its_keywords(pair, refs):
     cfg = EngineConfig.build(tcfg, dcfg, **kw)
     a = ServingEngine(tcfg, dcfg, tp, dp, config=cfg)
     b = ServingEngine(tcfg, dcfg, tp, dp, **kw)
-    assert a.config == b.config == cfg and cfg.cache_buckets == (96,) and cfg.gamma == G
+    # the engines resolve the page pool's size (`paged_engine.plan_pool`)
+    assert a.config == b.config == dataclasses.replace(cfg, num_pages=a.pool_plan.num_pages)
+    assert cfg.cache_buckets == (96,) and cfg.gamma == G
     for eng in (a, b):
         out = eng.generate(PROMPTS[:2], max_new_tokens=MAX_NEW[:2], temperature=0.0)
         assert [o.tokens for o in out] == refs[:2]

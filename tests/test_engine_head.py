@@ -26,9 +26,10 @@ from dspark_jax.testing import (
 
 G = 4
 PROMPTS = [[3, 9, 1], [5, 6, 7, 8, 2, 11, 12], [7] * 12]
-KW = dict(
-    num_slots=1, max_len=64, prompt_buckets=(16,), token_buckets=(G + 1,), cache_buckets=(64,)
-)
+KW = dict(  # the slot layout: its round program is lowered below
+    num_slots=1, max_len=64, prompt_buckets=(16,), token_buckets=(G + 1,), cache_buckets=(64,),
+    kv_layout="slots",
+)  # fmt: skip
 
 
 def _tied():

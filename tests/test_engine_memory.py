@@ -53,22 +53,60 @@ def test_plan_equals_what_one_device_holds(pair, layout, mesh_shape):
 
 def test_an_engine_that_cannot_fit_is_refused_before_its_state(pair, monkeypatch):
     tcfg, tp, dcfg, dp = pair
-    fits = ServingEngine(tcfg, dcfg, tp, dp, **KW).memory_plan
+    eng = ServingEngine(tcfg, dcfg, tp, dp, **KW)
+    fits, page_bytes = eng.memory_plan, eng.pool_plan.page_bytes
     created = []
     import dspark_jax.engine.programs as programs
 
     real = programs._created
     monkeypatch.setattr(programs, "_created", lambda *a: created.append(1) or real(*a))
     gib = fits.total / 0.9 / 2**30 * 0.5  # half of what it needs
-    for layout, knob in (("slots", "num_slots"), ("paged", "num_pages")):
+    pool = fits.target_kv + fits.drafter_kv
+    pages = pool // page_bytes
+    for kw, knob in ((dict(kv_layout="slots"), "num_slots"),
+                     (dict(num_pages=int(pages)), "--kv-memory-gb or --num-pages"),
+                     (dict(kv_memory_gib=pool / 2**30), "--kv-memory-gb or --num-pages"),
+                     (dict(device_memory_gib=1e-4), "give it more memory")):  # fmt: skip
         with pytest.raises(ConfigError, match=knob) as e:
-            ServingEngine(tcfg, dcfg, tp, dp, kv_layout=layout, device_memory_gib=gib, **KW)
+            ServingEngine(tcfg, dcfg, tp, dp, **{"device_memory_gib": gib, **kw, **KW})
         assert "\n" not in str(e.value)
     assert not created
     with pytest.raises(ConfigError, match="device_memory_gib"):
         ServingEngine(tcfg, dcfg, tp, dp, device_memory_gib=-1, **KW)
     ok = ServingEngine(tcfg, dcfg, tp, dp, device_memory_gib=gib * 4, **KW).memory_plan
     assert ok.fits and ok.limit == int(gib * 4 * 2**30)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 1, 4)])
+def test_page_pool_sized_from_a_memory_budget(pair, mesh_shape):
+    """The default layout's pool from `kv_memory_gib` (per device: the pools' pages over
+    "tensor"), from the devices' memory (what the rest of the plan leaves), or num_slots x
+    max_len positions (CPUs report none); a budget keeps the rows' lookahead back from
+    admission; the plan's summary names the pages, tokens and concurrency."""
+    if mesh_shape is not None and jax.device_count() < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    tcfg, tp, dcfg, dp = pair
+    mesh = None
+    if mesh_shape is not None:
+        mesh = parallel.make_mesh(MeshConfig(*mesh_shape))
+    eng = ServingEngine(tcfg, dcfg, tp, dp, mesh=mesh, kv_memory_gib=0.01, **KW)
+    pp, st = eng.pool_plan, eng.programs.state
+    assert pp.num_pages == eng.config.num_pages == int(0.01 * 2**30 // pp.page_bytes)
+    assert pp.num_pages * pp.page_bytes == _device0_bytes((st.cache, st.ctx.k, st.ctx.v))
+    assert eng.page_pool.watermark == pp.reserved == KW["num_slots"] * 1  # γ + 1 = 5 <= 16
+    assert eng.config.kv_memory_gib == 0  # resolved: the config rebuilds the same engine
+    assert ServingEngine(tcfg, dcfg, tp, dp, mesh=mesh, config=eng.config).config == eng.config
+    text = pp.summary()
+    assert f"{pp.num_pages} pages x 16 = {pp.tokens} tokens" in text and "kv_memory_gib" in text
+    assert pp.concurrency(64) == KW["num_slots"]  # the rows bound it here, not the pages
+    if mesh is not None:
+        return
+    dflt = ServingEngine(tcfg, dcfg, tp, dp, **KW).pool_plan  # CPUs report no memory
+    assert dflt.tokens == KW["num_slots"] * KW["max_len"] and dflt.reserved == 0
+    plan = ServingEngine(tcfg, dcfg, tp, dp, device_memory_gib=0.05, **KW)
+    assert "the devices' memory" in plan.pool_plan.source
+    m = plan.memory_plan
+    assert m.fits and m.total > 0.9 * m.limit - plan.pool_plan.page_bytes
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (1, 4, 2)])

@@ -135,7 +135,10 @@ def test_paged_config_errors(pair):
     with pytest.raises(RequestError, match="num_pages"):
         eng.submit([1] * 20, RequestParams(10, temperature=0.0))
     assert eng.page_pool is not None
-    assert ServingEngine(tcfg, dcfg, tp, dp, **KW).page_pool is None
+    assert ServingEngine(tcfg, dcfg, tp, dp, **KW).page_pool is not None  # the default
+    assert ServingEngine(tcfg, dcfg, tp, dp, kv_layout="slots", **KW).page_pool is None
+    with pytest.raises(ConfigError, match="both size the page pool"):
+        ServingEngine(tcfg, dcfg, tp, dp, num_pages=8, kv_memory_gib=1.0, **KW)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])

@@ -20,9 +20,12 @@ PROMPTS = [[3, 9, 1], [5, 6, 7, 8, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48], [1,
 MAX_NEW = [40, 25, 33, 12, 30]
 # two cache buckets here, two token buckets in the sampled test: the device picks each round's
 # (T, S) among the compiled verify forwards exactly as the host does
+# the slot layout's resident rounds (its state and forms are inspected below); the paged
+# layout's are tests/test_engine_paged.py's
 KW = dict(
-    num_slots=3, max_len=96, prompt_buckets=(16,), token_buckets=(15,), cache_buckets=(48, 96)
-)
+    num_slots=3, max_len=96, prompt_buckets=(16,), token_buckets=(15,), cache_buckets=(48, 96),
+    kv_layout="slots",
+)  # fmt: skip
 
 
 def _drain(eng, handles):

@@ -57,7 +57,7 @@ def test_sharded_engine_greedy_equals_one_device(pair, reference, shape):
     tcfg, tp, dcfg, dp = pair
     data, fsdp, tensor = shape
     mesh = parallel.make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
-    eng = ServingEngine(tcfg, dcfg, tp, dp, mesh=mesh, **KW)
+    eng = ServingEngine(tcfg, dcfg, tp, dp, mesh=mesh, kv_layout="slots", **KW)
     # placed by the table: vocab-sharded LM head, kv-head-sharded caches
     head = eng.programs.tparams["lm_head"]["kernel"].get_value()
     assert head.sharding.spec == parallel.logical_to_spec(("embed", "vocab"), head.shape, mesh)

@@ -75,7 +75,8 @@ def test_the_drafting_timer_runs_a_rounds_drafter_work_after_each_forward():
     dcfg = tiny_drafter_config("dspark", target=tcfg, num_layers=1)
     dp = dr.init_params(dcfg, target_params=tp)
     eng = ServingEngine(tcfg, dcfg, tp, dp, num_slots=1, policy="fixed", max_len=96,
-                        prompt_buckets=(20,), token_buckets=(dcfg.block_size + 1,))  # fmt: skip
+                        prompt_buckets=(20,), token_buckets=(dcfg.block_size + 1,),
+                        kv_layout=speed.BREAKDOWN_LAYOUT)  # fmt: skip
     params = RequestParams(40, temperature=1.0, seed=0)
     eng.submit(list(range(5, 25)), params)
     eng.step()

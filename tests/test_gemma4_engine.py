@@ -200,7 +200,7 @@ def refs(pair, prompts):
 def _engine(pair, mode, **kw):
     """Sliding layers keep rings of WINDOW + G + 1 = 13 entries; prompt chunks of 16 wrap them."""
     tcfg, tp, dcfg, dp = pair
-    kw = {"token_buckets": (8, 15), **kw}
+    kw = {"token_buckets": (8, 15), "kv_layout": "slots", **kw}  # the rings: slot layout
     return ServingEngine(
         tcfg, dcfg, tp, dp, num_slots=3, max_len=80, prompt_buckets=(16,), cache_buckets=(80,),
         modes=(mode,), **kw,

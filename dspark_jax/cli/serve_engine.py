@@ -240,10 +240,14 @@ def build_engine(args):
         policy=policy, gamma=args.gamma, threshold=args.threshold, cost_profile=cost,
         sts=sts, max_queue=args.max_queue, root_seed=args.seed, mesh=mesh_from_flag(args.mesh),
         kv_layout=args.kv_layout, page_size=args.page_size, num_pages=args.num_pages,
+        kv_memory_gib=args.kv_memory_gb,
         prefill_tokens_per_step=args.prefill_tokens_per_step,
         device_memory_gib=args.device_memory_gib,
     )  # fmt: skip
     log.info("%s", engine.memory_plan.summary())
+    if engine.pool_plan is not None:
+        lengths = sorted({min(n, engine.token_limit) for n in (512, 2048, engine.token_limit)})
+        log.info("%s", engine.pool_plan.summary(lengths))
     log.info("loaded %s (drafter %s, γ=%d, policy %s) in %.1f s",
              name, dcfg.kind, dcfg.block_size, policy, time.perf_counter() - t0)  # fmt: skip
     return engine, tok, stop_ids, args.model_name or name

@@ -51,20 +51,26 @@ def add_subcommands(sub) -> None:
     s.add_argument("--gamma", type=int, default=None, help="fixed policy: drafts verified")
     s.add_argument("--threshold", type=float, default=0.5, help="threshold policy")
     s.add_argument("--cost-profile", default="", help="decode_cost.py JSON for alg1 / async")
-    s.add_argument("--num-slots", type=int, default=8, help="concurrent requests on the device")
+    s.add_argument("--num-slots", type=int, default=8,
+                   help="rows: requests running at once at most (the page pool may admit fewer)")  # fmt: skip
     s.add_argument("--max-len", type=int, default=0,
-                   help="prompt + completion tokens of a request, max (0: the target's context; "
-                        "the slots layout reserves --num-slots x this many positions)")  # fmt: skip
+                   help="prompt + completion tokens of a request, max (0: the target's "
+                        "context)")  # fmt: skip
     s.add_argument("--drafter-context-window", type=int, default=None, metavar="W",
                    help="DSpark/DFlash: draft from the last W context positions only (default: "
                         "the window the drafter was trained with; may narrow it, not widen)")  # fmt: skip
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
-    s.add_argument("--kv-layout", default="slots", choices=("slots", "paged"),
-                   help="paged: K/V in a pool of pages, admission by free pages, preemption by "
-                        "recompute (on one device or a --mesh)")  # fmt: skip
-    s.add_argument("--page-size", type=int, default=16, help="with --kv-layout paged")
+    s.add_argument("--kv-layout", default="paged", choices=("paged", "slots"),
+                   help="paged (default): K/V in a pool of pages, admission by free pages, "
+                        "preemption by recompute; slots: every --num-slots row reserves "
+                        "--max-len positions")  # fmt: skip
+    s.add_argument("--page-size", type=int, default=16, help="positions per page")
+    s.add_argument("--kv-memory-gb", type=float, default=0.0, metavar="GIB",
+                   help="the page pool's memory per device (default: what the devices report, "
+                        "less the params and the largest call; CPUs report none: --num-slots x "
+                        "--max-len positions)")  # fmt: skip
     s.add_argument("--num-pages", type=int, default=0,
-                   help="with --kv-layout paged (0: as many positions as --num-slots x --max-len)")  # fmt: skip
+                   help="the page pool in pages, instead of --kv-memory-gb")  # fmt: skip
     s.add_argument("--device-memory-gib", type=float, default=0.0,
                    help="the devices' memory for the engine's plan (0: as they report; CPUs "
                         "report none); an engine that cannot fit is refused before its KV cache is created")  # fmt: skip

@@ -49,9 +49,14 @@ class EngineConfig:
     rounds_per_call: int = 1
     max_queue: int = 256
     root_seed: int = 0
-    kv_layout: str = "slots"  # "paged": K/V in page pools (engine.paged_engine, docs/PAGED_KV.md)
+    # "paged" (the default): K/V in page pools (engine.paged_engine, docs/PAGED_KV.md);
+    # "slots": every row reserves max_len positions
+    kv_layout: str = "paged"
     page_size: int = 16
-    num_pages: int = 0  # resolved by build (0: num_slots * max_len / page_size, rounded up)
+    # the pool's pages (0: sized by the engine, `paged_engine.plan_pool`: from kv_memory_gib,
+    # else from what the devices report, else num_slots * max_len positions)
+    num_pages: int = 0
+    kv_memory_gib: float = 0.0  # the K/V pools' memory per device (0: see num_pages)
     # prompt tokens prefilled per step (0: no bound); whole chunks of prompt_buckets[-1], at
     # least one per step, so a long prompt is prefilled over several steps between rounds
     prefill_tokens_per_step: int = 0
@@ -73,9 +78,10 @@ class EngineConfig:
         rounds_per_call: int = 1,
         max_queue: int = 256,
         root_seed: int = 0,
-        kv_layout: str = "slots",
+        kv_layout: str = "paged",
         page_size: int = 16,
         num_pages: int = 0,
+        kv_memory_gib: float = 0.0,
         prefill_tokens_per_step: int = 0,
         device_memory_gib: float = 0.0,
     ) -> EngineConfig:
@@ -103,12 +109,22 @@ class EngineConfig:
             )
         if page_size < 1 or num_pages < 0:
             raise ConfigError(f"page_size ({page_size}) must be >= 1 and num_pages >= 0")
+        if not kv_memory_gib >= 0:
+            raise ConfigError(
+                f"kv_memory_gib must be >= 0 (0: sized otherwise), got {kv_memory_gib!r}"
+            )
+        if num_pages and kv_memory_gib:
+            raise ConfigError(
+                f"num_pages ({num_pages}) and kv_memory_gib ({kv_memory_gib}) both size the page "
+                "pool: give one (--num-pages or --kv-memory-gb)"
+            )
+        if kv_layout == "slots":  # the rows' dense caches; no pool
+            num_pages = num_pages or -(-num_slots * max_len // page_size)
         if not (isinstance(prefill_tokens_per_step, int) and prefill_tokens_per_step >= 0):
             raise ConfigError(
                 f"prefill_tokens_per_step must be an integer >= 0 (0: no bound), got "
                 f"{prefill_tokens_per_step!r}"
             )
-        num_pages = num_pages or -(-num_slots * max_len // page_size)
         top = num_slots * (g + 1)
         if token_buckets is None:
             token_buckets = [1 << i for i in range(top.bit_length())]
@@ -126,6 +142,7 @@ class EngineConfig:
             kv_layout=kv_layout,
             page_size=page_size,
             num_pages=num_pages,
+            kv_memory_gib=float(kv_memory_gib),
             prefill_tokens_per_step=prefill_tokens_per_step,
             device_memory_gib=float(device_memory_gib),
         )

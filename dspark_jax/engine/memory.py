@@ -189,7 +189,7 @@ def check_engine_memory(plan: EngineMemoryPlan, config) -> None:
     """ConfigError naming what to lower when `plan` cannot fit its devices."""
     if plan.fits:
         return
-    kv = "num_pages (--num-pages)" if config.kv_layout == "paged" else (
+    kv = "the page pool (--kv-memory-gb or --num-pages)" if config.kv_layout == "paged" else (
         "num_slots (--num-slots) or max_len (--max-len), or use kv_layout='paged' "
         "(--kv-layout paged) and size its pool by num_pages"
     )  # fmt: skip

@@ -21,12 +21,15 @@ wrote those positions). Only rows (slots) and the pools' pages are fixed at star
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
 from dspark_jax.engine import paged_device as pdev
-from dspark_jax.engine.config import sampling_rows
+from dspark_jax.engine.config import EngineConfig, sampling_rows
 from dspark_jax.engine.device import PrefillInputs
+from dspark_jax.engine.memory import device_limit, plan_engine_memory
 from dspark_jax.engine.paged_rounds import paged_rounds
 from dspark_jax.engine.pages import PagePool
 from dspark_jax.engine.programs import EnginePrograms, _jitted
@@ -34,6 +37,8 @@ from dspark_jax.engine.requests import RequestParams
 from dspark_jax.engine.sharding import paged_state_shardings
 from dspark_jax.engine.slots import Request, SlotTable
 from dspark_jax.engine.stepping import RoundRunner
+from dspark_jax.errors import ConfigError
+from dspark_jax.train.memory import GIB, HEADROOM, _gib, sharded_bytes
 
 
 def _width(cache_len: int, page: int) -> int:
@@ -109,10 +114,12 @@ class PagedSlotTable(SlotTable):
                 continue
             req = self.queue[0]
             n = len(prompt_of(req))
-            if not self.pool.can_admit(n + self.gamma + 1):
+            # the pool's lookahead reserve is for running requests: one admitted into an
+            # empty pool may use it (else a request longer than the rest would never run)
+            if not self.pool.can_admit(n + self.gamma + 1, alone=True):
                 break  # FIFO: the head waits for pages
             self.queue.popleft()
-            self.pool.admit(req, n + self.gamma + 1)
+            self.pool.admit(req, n + self.gamma + 1, alone=True)
             req.slot, req.pos = s, n
             self.owner[s] = req
             out.append(req)
@@ -175,9 +182,96 @@ class PagedRunner(RoundRunner):
         return pdev.PagedPrefillInputs(inp, tab, np.int32(anchor), np.int32(rounds))
 
 
-def paged_objects(tcfg, dcfg, tparams, dparams, config, mesh):
-    """(programs, slot table) for a paged engine, wired together."""
-    pool = PagePool(config.num_pages, config.page_size)
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """The page pool an engine holds: `num_pages` pages of `page_size` positions, each
+    `page_bytes` on one device (the target's K/V and the drafter's context K/V, every layer),
+    sized from `source`; `reserved` pages are kept back from admission for the running requests'
+    speculative lookahead (γ + 1 positions each, every round)."""
+
+    num_pages: int
+    page_size: int
+    page_bytes: int
+    source: str
+    reserved: int
+    rows: int
+    gamma: int
+
+    @property
+    def tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def concurrency(self, tokens: int) -> int:
+        """Requests of `tokens` positions (prompt + output) running at once: the pages'
+        bound (after the reserve, each request's γ + 1 lookahead counted) and the rows'."""
+        per = -(-(int(tokens) + self.gamma + 1) // self.page_size)
+        return max(min(self.rows, (self.num_pages - self.reserved) // per), 0)
+
+    def summary(self, lengths=(512, 2048)) -> str:
+        at = ", ".join(f"{self.concurrency(n)} at {n}" for n in lengths)
+        return (
+            f"KV pool: {self.num_pages} pages x {self.page_size} = {self.tokens} tokens, "
+            f"{_gib(self.num_pages * self.page_bytes)} per device (from {self.source}); "
+            f"{self.reserved} pages kept for the lookahead; concurrent requests (of "
+            f"{self.rows} rows) by request tokens: {at}"
+        )
+
+
+def _pools(tcfg, dcfg, config, mesh, num_pages: int):
+    """(abstract state, its shardings, one device's bytes of its K/V pools) at `num_pages`."""
+    c = config
+    st = jax.eval_shape(
+        lambda: pdev.init_paged_state(tcfg, dcfg, c.num_slots, num_pages, c.page_size)
+    )
+    if mesh is None:
+        sh = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        sh = jax.tree.map(lambda _: sh, st)
+    else:
+        sh = paged_state_shardings(st, mesh)
+    kv = sharded_bytes((st.cache, st.ctx.k, st.ctx.v), (sh.cache, sh.ctx.k, sh.ctx.v))
+    return st, sh, kv
+
+
+def plan_pool(tcfg, dcfg, tparams, dparams, config, mesh) -> tuple[EngineConfig, PoolPlan]:
+    """(the config with `num_pages` resolved, its PoolPlan). The pool's pages: `num_pages`
+    when set; else `kv_memory_gib` per device over one page's bytes; else, when the devices
+    report their memory (or `device_memory_gib` is set), what the engine's plan leaves of its
+    usable share (params, per-row state and the largest call's transients taken out first);
+    else (CPUs report none) `num_slots` x `max_len` positions, every row's whole length. A pool
+    sized from memory keeps `num_slots` x pages(γ + 1) pages back from admission, so the
+    running requests' lookahead grows into them rather than preempting."""
+    c = config
+    st1, sh1, kv1 = _pools(tcfg, dcfg, c, mesh, 1)
+    page_bytes = _pools(tcfg, dcfg, c, mesh, 2)[2] - kv1
+    lookahead = c.num_slots * -(-(c.gamma + 1) // c.page_size)
+    if c.num_pages:
+        n, source, lookahead = c.num_pages, f"num_pages={c.num_pages}", 0
+    elif c.kv_memory_gib:
+        n, source = int(c.kv_memory_gib * GIB // page_bytes), f"kv_memory_gib={c.kv_memory_gib:g}"
+    elif (limit := device_limit(mesh, c.device_memory_gib)) is not None:
+        base = plan_engine_memory(tcfg, c, tparams, dparams, st1, sh1, mesh)
+        rest = base.total - kv1
+        n = int((HEADROOM * limit - rest) // page_bytes)
+        source = f"the devices' memory ({_gib(limit)}, {HEADROOM:.0%} usable, less {_gib(rest)})"
+    else:
+        n = -(-c.num_slots * c.max_len // c.page_size)
+        source, lookahead = f"num_slots x max_len = {c.num_slots} x {c.max_len}", 0
+    need = -(-(c.gamma + 2) // c.page_size)
+    if n < need + lookahead:
+        raise ConfigError(
+            f"the page pool from {source} holds {max(n, 0)} pages of {c.page_size} positions "
+            f"({_gib(max(n, 0) * page_bytes)}), fewer than one request's first round needs "
+            f"({need}) plus the {lookahead} kept for the rows' lookahead: give it more memory "
+            "(--kv-memory-gb, --num-pages) or fewer rows (--num-slots)"
+        )
+    plan = PoolPlan(n, c.page_size, page_bytes, source, lookahead, c.num_slots, c.gamma)
+    return dataclasses.replace(c, num_pages=n, kv_memory_gib=0.0), plan
+
+
+def paged_objects(tcfg, dcfg, tparams, dparams, config, mesh, plan: PoolPlan):
+    """(programs, slot table) for a paged engine (`config` resolved by `plan_pool`), wired
+    together; the pool keeps back the plan's lookahead pages from admission."""
+    pool = PagePool(config.num_pages, config.page_size, watermark=plan.reserved)
     programs = PagedPrograms(tcfg, dcfg, tparams, dparams, config, mesh)
     slots = PagedSlotTable(config.num_slots, config.gamma, pool)
     programs.tables_fn = slots.tables

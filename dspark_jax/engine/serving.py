@@ -101,7 +101,8 @@ class ServingEngine:
                  **config_kw):  # fmt: skip
         """`config_kw` (without `config`): `EngineConfig.build`'s keywords (num_slots, max_len,
         prompt_buckets, token_buckets, cache_buckets, modes, rounds_per_call, max_queue,
-        root_seed, kv_layout, page_size, num_pages, prefill_tokens_per_step, device_memory_gib).
+        root_seed, kv_layout, page_size, num_pages, kv_memory_gib, prefill_tokens_per_step,
+        device_memory_gib).
         `policy` .. `sts`: the Scheduler's (`set_policy` swaps it). `context_window`: the drafter's context window
         at serving time (None: as trained; it may narrow the trained one, never widen it,
         `drafters.api.narrow_context_window`)."""
@@ -115,14 +116,17 @@ class ServingEngine:
         else:  # checked against these models, like the keywords
             config = config.for_models(tcfg, dcfg)
         tcfg, tparams, dparams = _engine_params(tcfg, tparams, dparams)
-        self.config = config
+        self.pool_plan = None  # the page pool's plan (engine.paged_engine.PoolPlan)
         if config.kv_layout == "paged":  # K/V in page pools (engine.paged_engine)
+            config, self.pool_plan = paged_engine.plan_pool(tcfg, dcfg, tparams, dparams,
+                                                            config, mesh)  # fmt: skip
             self.programs, self.slots = paged_engine.paged_objects(
-                tcfg, dcfg, tparams, dparams, config, mesh
+                tcfg, dcfg, tparams, dparams, config, mesh, self.pool_plan
             )
         else:
             self.programs = EnginePrograms(tcfg, dcfg, tparams, dparams, config, mesh)
             self.slots = SlotTable(config.num_slots, config.gamma)
+        self.config = config
         self._paged = config.kv_layout == "paged"
         self._counters = EngineCounters(config.num_slots, config.gamma)
         self._committer = Committer(config.gamma, self.slots, self._counters,

@@ -199,6 +199,12 @@ class _Resident(_Slot):
         return dt
 
 
+# The breakdown's timers run the round's parts on a dense slot cache (`_forward` loops
+# `packed_forward` over the slot's snapshot), so its engines keep the dense layout; the
+# end-to-end speedups (`eval.speed_report`) decode on the default, paged engine.
+BREAKDOWN_LAYOUT = "slots"
+
+
 def _slot_engine(tcfg, tparams, dcfg, dparams, plen: int, ts, reps: int, mode: str, mesh=None):
     """A 1-slot engine (fixed γ) with room for `reps` + 4 rounds past the prompt and the forward
     sweep; returns (engine, rounds per admission, margin)."""
@@ -215,6 +221,7 @@ def _slot_engine(tcfg, tparams, dcfg, dparams, plen: int, ts, reps: int, mode: s
     eng = ServingEngine(
         tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed", max_len=max_len,
         prompt_buckets=(plen,), token_buckets=(g + 1,), modes=(mode,), mesh=mesh,
+        kv_layout=BREAKDOWN_LAYOUT,
     )  # fmt: skip
     eng.warmup()
     return eng, rounds, margin
@@ -273,7 +280,7 @@ def _resident_slot(tcfg, tparams, dcfg, dparams, prompt, temperature, mode, marg
     reng = ServingEngine(
         tcfg, dcfg, tparams, dparams, num_slots=1, policy="fixed", max_len=r_len,
         prompt_buckets=(len(prompt),), token_buckets=(g + 1,), cache_buckets=(r_len,),
-        modes=(mode,), rounds_per_call=k, mesh=mesh,
+        modes=(mode,), rounds_per_call=k, mesh=mesh, kv_layout=BREAKDOWN_LAYOUT,
     )  # fmt: skip
     reng.warmup()
     return _Resident(reng, prompt, temperature, (r_len - margin) // (g + 1))
