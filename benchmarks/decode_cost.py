@@ -17,7 +17,8 @@ Both KV layouts are timed in the same run, their points interleaved: the slot ca
 `max_len` positions) and the paged cache (a pool of `--page-size` pages holding as many
 positions, so equal KV memory). Each gets its own fit (`layouts`), and `paging_overhead` is the
 paged engine's step time over the slot engine's (geometric mean over the points, and per point).
-The profile written is the first layout's of `--kv-layouts`. The measurement itself is
+The profile written is the first layout's of `--kv-layouts` (default `paged,slots`: the default
+engine's). The measurement itself is
 `dspark_jax.eval.decode_cost` (benchmarks/serving_frontier.py measures with it too).
 
     python benchmarks/decode_cost.py --model tiny  [--out benchmarks/results/decode_cost.tiny.json]
@@ -101,7 +102,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
         "--kv-layouts",
-        default="slots,paged",
+        default="paged,slots",
         help="engines timed (interleaved); the first one's profile is written",
     )
     ap.add_argument("--page-size", type=int, default=16, help="the paged engine's page")

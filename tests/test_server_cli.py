@@ -70,6 +70,11 @@ def test_checkpoints_load_with_alg1_and_the_fallback_is_logged(ckpts, caplog):
     text = caplog.text
     assert "no cost profile for this model" in text and "decode_cost" in text
     assert "uncalibrated" in text  # no STS with bare checkpoints: said, not silent
+    # no layout flag: pages, the pool's plan logged (rows x max_len positions on a CPU)
+    assert engine.config.kv_layout == "paged" and engine.page_pool is not None
+    pages = 2 * -(-(128 + engine.gamma + 1) // 16)
+    assert f"KV pool: {pages} pages x 16 = {pages * 16} tokens" in text
+    assert "concurrent requests (of 2 rows) by request tokens: 2 at 128" in text
 
 
 def test_drafter_without_confidences_defaults_to_fixed(ckpts, caplog):

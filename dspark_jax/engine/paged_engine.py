@@ -254,7 +254,7 @@ def plan_pool(tcfg, dcfg, tparams, dparams, config, mesh) -> tuple[EngineConfig,
         n = int((HEADROOM * limit - rest) // page_bytes)
         source = f"the devices' memory ({_gib(limit)}, {HEADROOM:.0%} usable, less {_gib(rest)})"
     else:
-        n = -(-c.num_slots * c.max_len // c.page_size)
+        n = c.num_slots * -(-c.max_len // c.page_size)  # each row: a whole-length request
         source, lookahead = f"num_slots x max_len = {c.num_slots} x {c.max_len}", 0
     need = -(-(c.gamma + 2) // c.page_size)
     if n < need + lookahead:
