@@ -1,7 +1,9 @@
-"""The serving engine's objects for `EngineConfig(kv_layout="paged")` (docs/PAGED_KV.md).
+"""The serving engine's objects for its default layout, pages (docs/PAGED_KV.md).
 
-`ServingEngine` builds these instead of the slot-layout ones when the config asks for pages:
+`ServingEngine` builds these unless the config asks for slots (`kv_layout="slots"`):
 
+  plan_pool       the pool's size (`PoolPlan`): num_pages, or a memory budget per device
+                  (kv_memory_gib, else the devices' memory), else num_slots x max_len;
   PagedPrograms   `EnginePrograms` on a `paged_device.PagedState` (target and drafter K/V in
                   page pools); each call's block tables come from `tables_fn(width)`; K > 1
                   rounds per call run `paged_rounds` (tables fixed for the call);
@@ -14,9 +16,10 @@
 
 Preemption by recompute: the victim loses its slot and pages and goes back to the queue front
 with prompt + its tokens but the last as the prompt to prefill, the last token as its anchor and
-its round counter (`Request.resume`), so its next proposal is keyed as before and its tokens do
-not change (up to float reassociation between the prefill and the verify forwards that first
-wrote those positions). Only rows (slots) and the pools' pages are fixed at start-up.
+its round counter (`Request.resume`, a `slots.Resume`), so its next proposal is keyed as before
+and its tokens do not change (up to float reassociation between the prefill and the verify
+forwards that first wrote those positions). Only rows (slots) and the pools' pages are fixed at
+start-up.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dspark_jax.engine.pages import PagePool
 from dspark_jax.engine.programs import EnginePrograms, _jitted
 from dspark_jax.engine.requests import RequestParams
 from dspark_jax.engine.sharding import paged_state_shardings
-from dspark_jax.engine.slots import Request, SlotTable
+from dspark_jax.engine.slots import Request, Resume, SlotTable
 from dspark_jax.engine.stepping import RoundRunner
 from dspark_jax.errors import ConfigError
 from dspark_jax.train.memory import GIB, HEADROOM, _gib, sharded_bytes
@@ -144,7 +147,7 @@ class PagedSlotTable(SlotTable):
             self.owner[v.slot] = None
             v.slot = None
             if v.fill is None:
-                v.resume = (v.prompt + v.tokens[:-1], v.tokens[-1], len(v.num_accepted))
+                v.resume = Resume(v.prompt + v.tokens[:-1], v.tokens[-1], len(v.num_accepted))
             v.fill = None  # a half-prefilled victim starts its prefill (or resume) again
             self.queue.appendleft(v)
         return victims
@@ -162,8 +165,7 @@ class PagedSlotTable(SlotTable):
 
 def prompt_of(req: Request) -> list[int]:
     """The tokens to prefill: the prompt, or for a resumed request prompt + tokens[:-1]."""
-    resume = getattr(req, "resume", None)
-    return req.prompt if resume is None else resume[0]
+    return req.prompt if req.resume is None else req.resume.prompt
 
 
 class PagedRunner(RoundRunner):
@@ -175,8 +177,8 @@ class PagedRunner(RoundRunner):
     def _chunk_inputs(self, req: Request, inp: PrefillInputs, cache_len: int):
         """The chunk's inputs with the slot's block table (the slot table's, `tables_fn`) and
         the anchor / round counter a resumed request continues from."""
-        resume = getattr(req, "resume", None)
-        anchor, rounds = (-1, 0) if resume is None else resume[1:]
+        resume = req.resume
+        anchor, rounds = (-1, 0) if resume is None else (resume.anchor, resume.rounds)
         width = _width(cache_len, self.config.page_size)
         tab = self.programs.tables_fn(width)[req.slot : req.slot + 1]
         return pdev.PagedPrefillInputs(inp, tab, np.int32(anchor), np.int32(rounds))
@@ -283,7 +285,7 @@ def split_resumed(admitted: list[Request], firsts, slots: SlotTable):
     (their anchor was emitted before the preemption) and lose the resume marker."""
     new, new_firsts = [], []
     for req, (first, conf) in zip(admitted, firsts):
-        if getattr(req, "resume", None) is None:
+        if req.resume is None:
             new.append(req)
             new_firsts.append((first, conf))
         else:

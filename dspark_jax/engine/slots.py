@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
 from dspark_jax.engine.requests import RequestHandle, RequestParams, SpecStats
 from dspark_jax.errors import RequestError
+
+
+class Resume(NamedTuple):
+    """Where a request preempted by recompute continues: `prompt` (its prompt + tokens but the
+    last) is prefilled again, `anchor` (its last token) is taken instead of a new draw, and its
+    proposals go on from round `rounds` (so their noise keys, and its tokens, do not change)."""
+
+    prompt: list[int]
+    anchor: int
+    rounds: int
 
 
 @dataclasses.dataclass(eq=False)
@@ -30,6 +41,9 @@ class Request:
     fail_cause: str | None = None  # with cancel_requested: end with "error" (`engine.faults`)
     done: bool = False
     fill: object = None  # `stepping.Fill` while its prompt is prefilled over several steps
+    # a preempted request's resume point (paged layout, `paged_engine.Resume`): what to prefill
+    # again, the anchor it had and its round counter; None once its prefill has resumed
+    resume: Resume | None = None
 
     def __post_init__(self):
         self.stop_set = frozenset(int(s) for s in self.params.stop_ids)
