@@ -27,8 +27,8 @@ def test_profile_layout_and_buckets_match_engine(tmp_path):
     out = tmp_path / "cost.json"
     args = ["--model", "tiny", "--num-slots", "2", "--gamma", "2", "--max-len", "48"]
     args += ["--context", "8", "--steps", "2", "--repeats", "1", "--out", str(out)]
-    res = bench.main(args)  # both KV layouts, interleaved; the slot engine's profile written
-    assert set(res["layouts"]) == {"slots", "paged"} and res["profile_layout"] == "slots"
+    res = bench.main(args)  # both KV layouts, interleaved; the default (paged) engine's written
+    assert set(res["layouts"]) == {"slots", "paged"} and res["profile_layout"] == "paged"
     assert all(v["retraces_after_warmup"] == 0 for v in res["layouts"].values())
     assert res["paging_overhead"]["geomean"] > 0
     prof = CostProfile.load(out)
