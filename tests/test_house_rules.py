@@ -114,7 +114,7 @@ def test_few_local_imports_each_with_its_reason():
 SYS_PATH_EDIT = re.compile(r"\bsys\s*\.\s*path\s*(\.\s*(insert|append|extend|remove)\b|\[|\+?=)")
 
 
-def sys_path_uses(p: Path) -> list[int]:
+def import_path_uses(p: Path) -> list[int]:
     """Lines of `p` that use the interpreter's import path (`sys` `path`) in code or an import, or edit it in a string (code given
     to `python -c`, a script written by a test); comments and prose do not count."""
     tree = ast.parse(p.read_text())
@@ -132,8 +132,8 @@ def sys_path_uses(p: Path) -> list[int]:
     return sorted(lines)
 
 
-def test_no_sys_path_anywhere():
-    uses = [f"{_rel(p)}:{line}" for p in _python_files(ROOT) for line in sys_path_uses(p)]
+def test_the_import_path_is_never_edited():
+    uses = [f"{_rel(p)}:{line}" for p in _python_files(ROOT) for line in import_path_uses(p)]
     assert not uses, (
         "the import path edited (run the script with `python -m`, give a subprocess cwd= or "
         f"PYTHONPATH): {', '.join(uses)}"
