@@ -40,7 +40,9 @@ def test_admit_grow_free_and_tables():
 
 
 def test_watermark_holds_back_admission_not_growth():
-    pool = PagePool(4, 2, watermark=1)
+    pool = PagePool(5, 2, watermark=1)
+    assert pool.can_admit(10)  # an empty pool: the watermark protects no one yet
+    pool.admit("z", 2)
     assert pool.can_admit(6) and not pool.can_admit(7)
     pool.admit("a", 6)
     assert not pool.can_admit(1)

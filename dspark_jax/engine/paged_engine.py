@@ -117,12 +117,10 @@ class PagedSlotTable(SlotTable):
                 continue
             req = self.queue[0]
             n = len(prompt_of(req))
-            # the pool's lookahead reserve is for running requests: one admitted into an
-            # empty pool may use it (else a request longer than the rest would never run)
-            if not self.pool.can_admit(n + self.gamma + 1, alone=True):
+            if not self.pool.can_admit(n + self.gamma + 1):
                 break  # FIFO: the head waits for pages
             self.queue.popleft()
-            self.pool.admit(req, n + self.gamma + 1, alone=True)
+            self.pool.admit(req, n + self.gamma + 1)
             req.slot, req.pos = s, n
             self.owner[s] = req
             out.append(req)

@@ -91,20 +91,21 @@ class PagePool:
 
     # ---- admission, growth, release -------------------------------------------------------
 
-    def can_admit(self, n_tokens: int, *, alone: bool = False) -> bool:
-        """Whether a new request of `n_tokens` positions fits, keeping the watermark free
-        (`alone`: the watermark too, for a request admitted while no other holds pages)."""
-        keep = 0 if alone and not self._tables else self.watermark
+    def can_admit(self, n_tokens: int) -> bool:
+        """Whether a new request of `n_tokens` positions fits, keeping the watermark free while
+        other requests hold pages (it is their growth's reserve: a request admitted into an
+        empty pool may use it, else one longer than the rest would never run)."""
+        keep = self.watermark if self._tables else 0
         return self.pages_for(n_tokens) <= self.free_pages - keep
 
-    def admit(self, req: Hashable, n_tokens: int, *, alone: bool = False) -> None:
+    def admit(self, req: Hashable, n_tokens: int) -> None:
         """A new request with room for positions [0, n_tokens). Raises when `req` already holds
         pages or when it does not fit (check `can_admit` first); nothing is allocated then. A
         request whose whole length (prompt + output + γ + 1) exceeds the pool can never finish:
         the caller rejects it before admission."""
         if req in self._tables:
             raise KeyError(f"PagePool.admit: request {req!r} already holds pages; free it first")
-        if not self.can_admit(n_tokens, alone=alone):
+        if not self.can_admit(n_tokens):
             raise ValueError(
                 f"PagePool.admit: {self.pages_for(n_tokens)} pages for {n_tokens} tokens, "
                 f"{self.free_pages} free ({self.watermark} kept back): check can_admit first"
