@@ -130,6 +130,37 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ[_RUN_CACHE], ignore_errors=True)
 
 
+# Compiling per test file (a test's setup, call and teardown, its module fixtures included),
+# summed over the pytest-xdist workers: where the suite's compile time goes.
+_PER_FILE: dict[str, list] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    n0, s0 = _XLA["compilations"], _XLA["compile_s"]
+    yield
+    row = _PER_FILE.setdefault(item.location[0], [0, 0.0])
+    row[0] += _XLA["compilations"] - n0
+    row[1] += _XLA["compile_s"] - s0
+
+
+def pytest_sessionfinish(session):
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:  # a pytest-xdist worker: its tallies go to pytest's own process
+        out["dspark_xla"] = dict(_XLA)
+        out["dspark_xla_files"] = {k: list(v) for k, v in _PER_FILE.items()}
+
+
+def pytest_testnodedown(node, error):
+    out = getattr(node, "workeroutput", {})
+    for k, v in out.get("dspark_xla", {}).items():
+        _XLA[k] += v
+    for f, (n, sec) in out.get("dspark_xla_files", {}).items():
+        row = _PER_FILE.setdefault(f, [0, 0.0])
+        row[0] += n
+        row[1] += sec
+
+
 def pytest_terminal_summary(terminalreporter):
     import jax
 
@@ -138,6 +169,11 @@ def pytest_terminal_summary(terminalreporter):
         f"XLA: {_XLA['compilations']} compilations ({_XLA['from_cache']} read from the "
         f"compilation cache: {where}), {_XLA['compile_s']:.0f} s compiling"
     )
+    top = sorted(_PER_FILE.items(), key=lambda kv: -kv[1][1])[:15]
+    if top:
+        terminalreporter.write_line("XLA compiling by test file (the 15 longest):")
+        for f, (n, sec) in top:
+            terminalreporter.write_line(f"  {sec:7.1f} s  {n:5d} programs  {f}")
 
 
 @pytest.fixture(scope="session")
