@@ -151,6 +151,7 @@ def pytest_sessionfinish(session):
         out["dspark_xla_files"] = {k: list(v) for k, v in _PER_FILE.items()}
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent with -p no:xdist
 def pytest_testnodedown(node, error):
     out = getattr(node, "workeroutput", {})
     for k, v in out.get("dspark_xla", {}).items():
