@@ -13,15 +13,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-# Compiling is most of the suite's time (CI: 899 of 1108 s in tests/test_e*), so the pytest
-# processes compile at XLA:CPU's lowest optimisation level: compiling 30-45% shorter, the
-# programs ~40% slower, 15-40% off the wall time of the files measured (docs/MEASUREMENTS.md).
-# Only these processes: XLA reads XLA_FLAGS once, when the backend starts below, and the flag
-# then leaves the environment, so the train.py / serve.py subprocesses the tests start compile
-# at the default level, as a user's run and CI's first step do (some tests compare with that
-# run bit for bit, and read its compiled programs from the persistent cache). A caller's own
-# XLA_FLAGS level is left alone (and given to the subprocesses of tests/procs.py's
-# compile_like_this_process).
+# Compiling is most of the suite's time (1581 of 2524 s of the fast tier's test time, cold), so
+# the pytest processes compile at XLA:CPU's lowest optimisation level (compiling 30-45% shorter,
+# the programs ~40% slower, docs/MEASUREMENTS.md) and with its older fusion code generator
+# (`--xla_cpu_use_fusion_emitters=false`: an engine's programs compile in ~55% of the time, and
+# three engine / drafter files ran in 250 s instead of 351 s). Only these processes: XLA reads
+# XLA_FLAGS once, when the backend starts below, and the flags then leave the environment, so
+# the train.py / serve.py subprocesses the tests start compile as XLA does by default, as a
+# user's run and CI's first step do (some tests compare with that run bit for bit, and read its
+# compiled programs from the persistent cache). A caller's own XLA_FLAGS level is left alone
+# (and given to the subprocesses of tests/procs.py's compile_like_this_process).
 import re  # noqa: E402
 
 from tests import procs  # noqa: E402
@@ -29,7 +30,7 @@ from tests import procs  # noqa: E402
 _caller = re.search(r"--xla_backend_optimization_level=\S+", os.environ["XLA_FLAGS"])
 _own_level = _caller is None
 if _own_level:
-    os.environ["XLA_FLAGS"] += " " + procs.LEVEL0
+    os.environ["XLA_FLAGS"] += " " + procs.QUICK_COMPILE
 else:
     procs.pytest_level = _caller.group(0)
 
@@ -57,7 +58,7 @@ from dspark_jax.runtime.compile_cache import enable_compilation_cache  # noqa: E
 jax.devices()  # the backend starts and reads XLA_FLAGS (once per process)
 enable_compilation_cache()  # before any test compiles (the run's own, the caller's, or off)
 if _own_level:
-    os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(" " + procs.LEVEL0, "")
+    os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(" " + procs.QUICK_COMPILE, "")
 
 # Property tests draw a fixed example sequence: CI is reproducible and a failure can be replayed.
 from hypothesis import settings  # noqa: E402

@@ -9,11 +9,11 @@ import subprocess
 import time
 from pathlib import Path
 
-# The optimisation level the pytest processes compile at (tests/conftest.py says why: level 0,
-# or the caller's own XLA_FLAGS level); their subprocesses compile at XLA's default level unless
-# a test gives them this one.
-LEVEL0 = "--xla_backend_optimization_level=0"
-pytest_level = LEVEL0  # set by tests/conftest.py
+# How the pytest processes compile (tests/conftest.py says why: XLA:CPU's lowest optimisation
+# level and its older fusion code generator, or the caller's own XLA_FLAGS level); their
+# subprocesses compile as XLA does by default unless a test gives them this.
+QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+pytest_level = QUICK_COMPILE  # set by tests/conftest.py
 
 
 def compile_like_this_process(env: dict) -> dict:
