@@ -41,6 +41,7 @@ else:
 # pytest_unconfigure below deletes it. A caller's DSPARK_COMPILATION_CACHE (CI's, or `off`) wins.
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from dspark_jax.runtime import CACHE_ENV  # noqa: E402
 
@@ -129,6 +130,36 @@ def _compilation_cache_and_tally():
 def pytest_unconfigure(config):
     if _own_cache and not hasattr(config, "workerinput"):  # pytest's own process, last out
         shutil.rmtree(os.environ[_RUN_CACHE], ignore_errors=True)
+
+
+# A test marked `bitwise` compares the numbers of two programs bit for bit (K rounds per call
+# against one, a resumed run against an uninterrupted one). That holds under XLA:CPU's default
+# fusion code generator, which users run, and not under the older one these processes compile
+# with, whose fusions reassociate differently in the two programs. Such a test runs in a child
+# pytest process that compiles at level 0 with the default code generator.
+_BITWISE_CHILD = "DSPARK_TEST_BITWISE_CHILD"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if pyfuncitem.get_closest_marker("bitwise") is None or os.environ.get(_BITWISE_CHILD):
+        return None
+    if "fusion_emitters=false" not in procs.pytest_level:
+        return None  # the caller's own XLA_FLAGS: run here
+    import subprocess
+    import sys
+
+    flags = os.environ["XLA_FLAGS"] + " --xla_backend_optimization_level=0"
+    env = dict(os.environ, XLA_FLAGS=flags, **{_BITWISE_CHILD: "1"})
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    root = Path(__file__).resolve().parents[1]
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+            pyfuncitem.nodeid]  # fmt: skip
+    r = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise AssertionError(f"in a child pytest (default code generator):\n{r.stdout[-6000:]}")
+    return True
 
 
 # Compiling per test file (a test's setup, call and teardown, its module fixtures included),

@@ -121,6 +121,7 @@ def test_trainer_resumes_from_previous_good_checkpoint_when_latest_is_corrupt(tm
             toy_trainer(tmp_path / "run", cfg)
 
 
+@pytest.mark.bitwise
 def test_sigkill_then_resume_gives_a_bit_identical_loss_trajectory(tmp_path):
     """Kill -9 a training subprocess after its step-3 checkpoint (steps 4-5 already logged),
     resume here, and compare every step's loss with an uninterrupted run."""

@@ -20,7 +20,7 @@ PROMPTS = [[3, 9, 1], LONG, [5, 6, 7, 8, 2], [7] * 20]
 MAX_NEW = [30, 12, 20, 10]
 KW = dict(num_slots=3, max_len=112, prompt_buckets=(16,), token_buckets=(15,),
           cache_buckets=(112,))  # fmt: skip
-LAYOUTS = [dict(), dict(kv_layout="paged", page_size=8)]
+LAYOUTS = [dict(kv_layout="slots"), dict(kv_layout="paged", page_size=8)]
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,8 @@ def engine(pair, request):
     """The slot layout with one round per call; the paged one with up to two device-resident
     rounds per call (`engine.paged_rounds`: a faulty row ends the call's loop)."""
     tcfg, tp, dcfg, dp = pair
-    kw = dict(kv_layout="paged", page_size=8, rounds_per_call=2) if "paged" in request.param else {}
+    kw = (dict(kv_layout="paged", page_size=8, rounds_per_call=2) if "paged" in request.param
+          else dict(kv_layout="slots"))  # fmt: skip
     eng = ServingEngine(tcfg, dcfg, tp, dp, **KW, **kw)
     eng.warmup()
     return eng

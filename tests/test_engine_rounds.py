@@ -5,6 +5,7 @@ max_new_tokens are honoured on the device, several rounds run per call, no retra
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dspark_jax.engine import RequestParams, ServingEngine
 from dspark_jax.engine.config import sampling_rows
@@ -65,6 +66,7 @@ def test_greedy_equals_plain_decoding_with_rounds_on_device():
     assert cc.count == 0, cc.names
 
 
+@pytest.mark.bitwise
 def test_sampled_output_bit_identical_to_one_round_per_call():
     tcfg, tp, dcfg, dp = agreeing_pair(vocab=64, gamma=G, head_scale=1.0, markov_bias=3.0)
     kw = dict(KW, token_buckets=(6, 15), cache_buckets=(96,), modes=("filtered",))

@@ -225,6 +225,7 @@ def test_validated_sampling_params_are_accepted(params):
     assert generate(CFG, params, PROMPTS[:2], max_new_tokens=4, sampling=sp, **BUCKETS) == greedy
 
 
+@pytest.mark.bitwise
 def test_packed_forward_slot_major_attention_equals_the_per_token_gather(params):
     """The engine's batched verify layout (`slot_tokens`: queries slot-major, each slot's cache
     read in place) gives the logits and cache of the per-token gather layout and of each slot's

@@ -47,6 +47,7 @@ def test_default_position_weights_are_the_former_formulas():
     np.testing.assert_array_equal(position_weights(e), [np.float32(0.8**i) for i in range(7)])
 
 
+@pytest.mark.bitwise
 def test_dspark_default_weights_give_the_constant_loss_and_gradient_bit_for_bit(setup):
     tcfg, tparams, batch = setup
     cfg, p = _drafter("dspark", tcfg, tparams)
