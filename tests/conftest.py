@@ -144,12 +144,12 @@ _BITWISE_CHILD = "DSPARK_TEST_BITWISE_CHILD"
 def pytest_pyfunc_call(pyfuncitem):
     if pyfuncitem.get_closest_marker("bitwise") is None or os.environ.get(_BITWISE_CHILD):
         return None
-    if "fusion_emitters=false" not in procs.pytest_level:
+    if procs.pytest_level != procs.QUICK_COMPILE:
         return None  # the caller's own XLA_FLAGS: run here
     import subprocess
     import sys
 
-    flags = os.environ["XLA_FLAGS"] + " --xla_backend_optimization_level=0"
+    flags = f"{os.environ['XLA_FLAGS']} {procs.LEVEL0}"  # a caller's level: the default emitters
     env = dict(os.environ, XLA_FLAGS=flags, **{_BITWISE_CHILD: "1"})
     env.pop("PYTEST_XDIST_WORKER", None)
     env.pop("PYTEST_ADDOPTS", None)
@@ -158,7 +158,8 @@ def pytest_pyfunc_call(pyfuncitem):
             pyfuncitem.nodeid]  # fmt: skip
     r = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True)
     if r.returncode != 0:
-        raise AssertionError(f"in a child pytest (default code generator):\n{r.stdout[-6000:]}")
+        out = (r.stdout + r.stderr)[-6000:]
+        raise AssertionError(f"in a child pytest (default code generator):\n{out}")
     return True
 
 

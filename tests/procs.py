@@ -12,7 +12,8 @@ from pathlib import Path
 # How the pytest processes compile (tests/conftest.py says why: XLA:CPU's lowest optimisation
 # level and its older fusion code generator, or the caller's own XLA_FLAGS level); their
 # subprocesses compile as XLA does by default unless a test gives them this.
-QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+LEVEL0 = "--xla_backend_optimization_level=0"
+QUICK_COMPILE = f"{LEVEL0} --xla_cpu_use_fusion_emitters=false"
 pytest_level = QUICK_COMPILE  # set by tests/conftest.py
 
 
