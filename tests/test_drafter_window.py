@@ -98,18 +98,18 @@ def test_a_small_window_sees_only_the_last_w_positions_on_both_layouts(pair):
     full = single_block(drafters.build(dcfg, dp), ctx, anchor)
     assert not np.allclose(np.asarray(full), np.asarray(ref), atol=1e-3)  # the window matters
 
-    # the paged layout: the same context written to pages in a shuffled order, read back as
-    # the engine's dense view (positions = indices), then drafted with the window
+    # the paged layout: the same context written to pages in a shuffled order, the block
+    # attending over them in place (`paged_attention` with the block's window)
     page, rows = 8, 2
     pc = paged_context.init_paged_context(dcfg, rows=rows, num_pages=12, page_size=page)
     tables = jnp.asarray(np.random.default_rng(0).permutation(12)[:8].reshape(rows, 4), jnp.int32)
-    pc = paged_context.commit(pc, ctx, tables, start_R=jnp.zeros((rows,), jnp.int32),
-                              num_new_R=ctx.lengths, max_new=CTX)  # fmt: skip
-    view = paged_context.view(pc, tables)
-    paged = single_block(drafters.build(wcfg, dp), view, anchor)
+    feats = jax.random.normal(jax.random.key(7), (rows, CTX, dcfg.feature_size), jnp.float32)
+    pc = drafters.extend_context(dcfg, dp, paged_context.with_tables(pc, tables), feats,
+                                 jnp.zeros((rows, CTX), jnp.int32), ctx.lengths)  # fmt: skip
+    paged = paged_context.paged_block(drafters.build(wcfg, dp), pc, anchor)
     np.testing.assert_allclose(np.asarray(paged), np.asarray(ref), rtol=1e-5, atol=1e-5)
     prop_dense = drafters.propose(wcfg, dp, ctx, anchor, jax.random.key(0), jnp.array([1, 2]))
-    prop_paged = drafters.propose(wcfg, dp, view, anchor, jax.random.key(0), jnp.array([1, 2]))
+    prop_paged = drafters.propose(wcfg, dp, pc, anchor, jax.random.key(0), jnp.array([1, 2]))
     np.testing.assert_array_equal(np.asarray(prop_dense.tokens), np.asarray(prop_paged.tokens))
 
 

@@ -24,6 +24,7 @@ from dspark_jax.drafters.eagle3 import (
     init_eagle3_context,
     propose_eagle3,
 )
+from dspark_jax.drafters.paged_context import PagedContext, paged_extend, paged_propose
 from dspark_jax.errors import ConfigError
 from dspark_jax.models.transformer import embedding_table
 from dspark_jax.spec.sampling import SamplingConfig, SamplingParams
@@ -133,11 +134,15 @@ def extend_context(
 ):
     """Append the target features of committed positions ctx.lengths + t, t < num_new[b].
 
+    `ctx`: a dense context (`init_context`) or a `paged_context.PagedContext` with its rows'
+    block tables (its K/V written straight into their pages).
     Static: cfg and shapes. Arrays: params, ctx, features [B, T, m·H], next_tokens [B, T]
     (the committed token following each featured position; read by Eagle3 only), num_new [B].
     """
     model = build(cfg, params)
     num_new_B = jnp.asarray(num_new_B, jnp.int32)
+    if isinstance(ctx, PagedContext):
+        return paged_extend(model, ctx, features_BxTxF, next_tokens_BxT, num_new_B)
     if cfg.kind == "eagle3":
         return extend_eagle3_context(model, ctx, features_BxTxF, next_tokens_BxT, num_new_B)
     return extend_block_context(model, ctx, features_BxTxF, num_new_B)
@@ -171,13 +176,17 @@ def propose(
     """Draft γ tokens per request (see the package doc for keys and positions).
 
     Static: cfg, scfg (`spec.sampling.SamplingConfig`; None = plain sampling, greedy=True =
-    argmax). Arrays: params, ctx, anchor [B] (the token at position ctx.lengths; Eagle3 already
+    argmax). Arrays: params, ctx (dense or paged with its tables, as `extend_context`'s),
+    anchor [B] (the token at position ctx.lengths; Eagle3 already
     consumed it in `extend_context`), key (the engine's root key; draws use the DRAFT stream of
     `spec.rng`), seeds [B], sampling (per-row `SamplingParams`; None = temperature 1),
     rounds [B] (optional per-request round counter: draft noise keyed by (seed, round, position),
     the `spec.rng.DRAFT_ROUND` stream; the serving engine always passes it).
     """
     model = build(cfg, params)
+    if isinstance(ctx, PagedContext):
+        anchor_B = jnp.asarray(anchor_B, jnp.int32)
+        return paged_propose(model, ctx, anchor_B, key, seeds_B, sampling, scfg, rounds_B)
     if cfg.kind == "eagle3":
         return propose_eagle3(model, ctx, key, seeds_B, sampling, scfg, rounds_B=rounds_B)
     anchor_B = jnp.asarray(anchor_B, jnp.int32)

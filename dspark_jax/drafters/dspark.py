@@ -217,12 +217,20 @@ def propose_block(
     distributions are then exactly the teacher-forced ones of the training path.
     `rounds_B` (serving engine): key the draft noise by the request's round counter too.
     """
+    z = single_block(model, ctx, anchor_B)  # [B, γ, H]
+    return propose_from_block(model, z, ctx.lengths, anchor_B, key, seeds_B, sampling, scfg,
+                              forced_BxG, rounds_B)  # fmt: skip
+
+
+def propose_from_block(model: BlockDrafter, z, lengths_B, anchor_B, key, seeds_B, sampling=None,
+                       scfg=None, forced_BxG=None, rounds_B=None) -> Proposal:  # fmt: skip
+    """`propose_block` from the block's backbone output z [B, γ, H] (the dense context's
+    `single_block` or the paged one's, `drafters.paged_context`): heads and sampling."""
     cfg = model.cfg
     g = cfg.block_size
     b = anchor_B.shape[0]
-    z = single_block(model, ctx, anchor_B)  # [B, γ, H]
     base = model.base_logits(z)  # [B, γ, V]
-    positions = ctx.lengths[:, None] + 1 + jnp.arange(g, dtype=jnp.int32)[None, :]
+    positions = lengths_B[:, None] + 1 + jnp.arange(g, dtype=jnp.int32)[None, :]
     keys = draft_keys(key, seeds_B, positions, rounds_B)  # [B, γ]
     # slot-major [γ, B, V], as the scan consumes it
     noise = None if forced_BxG is not None else draft_noise(keys.T, base.shape[-1], scfg)

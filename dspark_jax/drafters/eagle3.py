@@ -200,10 +200,15 @@ def extend_eagle3_context(
     cache_mask = visible(key_pos, pos, model.cfg.context_window or None)  # [B, T, S]
     a = attend(q, [(ck, cv, cache_mask)], scale=layer.scale)
     g_out = layer.finish(g_in, a.astype(g_in.dtype))
-    last = jnp.clip(num_new_B - 1, 0, t - 1)
-    g_last = jnp.take_along_axis(g_out, last[:, None, None], axis=1)[:, 0]
-    g = jnp.where((num_new_B > 0)[:, None], g_last.astype(ctx.g.dtype), ctx.g)
+    g = last_output(g_out, num_new_B, ctx.g)
     return Eagle3Context(ck, cv, ctx.lengths + num_new_B.astype(jnp.int32), g)
+
+
+def last_output(g_out_BxTxH, num_new_B, g_B):
+    """The new g [B, H]: the output at each row's last new position (g where num_new = 0)."""
+    last = jnp.clip(num_new_B - 1, 0, g_out_BxTxH.shape[1] - 1)
+    g_last = jnp.take_along_axis(g_out_BxTxH, last[:, None, None], axis=1)[:, 0]
+    return jnp.where((num_new_B > 0)[:, None], g_last.astype(g_B.dtype), g_B)
 
 
 def propose_eagle3(

@@ -10,8 +10,8 @@ request-major); the last chunk draws the first token like `device.prefill_chunk`
 request resumed after a preemption (recompute), takes the anchor it had (`PagedPrefillInputs.
 anchor` >= 0) and its round counter, so its next proposal, and so its tokens, are the ones it
 would have had without the preemption. `paged_round` is `device.packed_round` with the paged
-verify forward (request-major, `q_per_req = γ + 1`) and the drafter context viewed densely from
-its pages for `device.finish_round`, then committed back (`paged_context.view` / `commit`).
+verify forward (request-major, `q_per_req = γ + 1`) and the drafter extending and reading its
+own pages under the same tables (`paged_context`) in `device.finish_round`.
 
 Static shapes: the table width B (a cache bucket / page_size, rounded up) comes with the tables;
 one program per (mode, T, B) round and (mode, chunk, B) prefill, as the dense engine's (T, S).
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import drafters
-from dspark_jax.drafters.paged_context import PagedContext, commit, init_paged_context, view
+from dspark_jax.drafters.paged_context import PagedContext, init_paged_context, with_tables
 from dspark_jax.engine.device import (
     PrefillInputs,
     PrefillSpec,
@@ -111,14 +111,12 @@ def paged_prefill_chunk(spec: PrefillSpec, tparams, dparams, state: PagedState, 
     first = jnp.where(resume_anchor >= 0, resume_anchor, drawn[0])[None].astype(jnp.int32)
     idx = jnp.arange(c, dtype=jnp.int32)
     nxt = jnp.where(is_last & (idx == n_valid - 1), first[0], next_C)
-    rows1 = _take_slot(state.ctx.rows, slot)
-    pc1 = PagedContext(state.ctx.k, state.ctx.v, rows1)
-    ctx1 = view(pc1, table_1xB)._replace(lengths=start[None])
-    ctx1 = drafters.extend_context(dcfg, dparams, ctx1, out.features, nxt[None], n_valid[None])
+    rows1 = _take_slot(state.ctx.rows, slot)._replace(lengths=start[None])
+    pc1 = PagedContext(state.ctx.k, state.ctx.v, rows1, table_1xB)
+    pc1 = drafters.extend_context(dcfg, dparams, pc1, out.features, nxt[None], n_valid[None])
     rounds1 = resume_rounds[None].astype(jnp.int32)
-    prop = drafters.propose(dcfg, dparams, ctx1, first, key, seed1, sp1, scfg, rounds_B=rounds1)
+    prop = drafters.propose(dcfg, dparams, pc1, first, key, seed1, sp1, scfg, rounds_B=rounds1)
     conf = _conf_or_zeros(prop, 1, g)
-    pc1 = commit(pc1, ctx1, table_1xB, start[None], n_valid[None], c)
     ctx = PagedContext(pc1.k, pc1.v, _put_slot(state.ctx.rows, pc1.rows, slot))
     state = PagedState(
         cache=cache,
@@ -158,18 +156,15 @@ def paged_verify(tcfg, dcfg, num_tokens, tparams, state, lengths_N, active_N, ta
 
 
 def paged_finish(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds, sp, key, tables):
-    """`device.finish_round` on the paged state: the drafter runs on a dense view of its pages,
-    the positions it appended are committed back. Returns (state, RoundOut)."""
-    g = dcfg.block_size
+    """`device.finish_round` on the paged state: the drafter extends and reads its pages under
+    the rows' tables (`drafters.paged_context`). Returns (state, RoundOut)."""
     logits, feats, cache = fwd
-    dense = SlotState(_Lens(state.pos), view(state.ctx, tables), state.anchor, state.rounds,
-                      state.prop_tokens, state.prop_probs, state.prop_conf)  # fmt: skip
-    new, ro = finish_round(dcfg, scfg, dparams, dense, (logits, feats, _Lens(state.pos)),
+    rows = SlotState(_Lens(state.pos), with_tables(state.ctx, tables), state.anchor,
+                     state.rounds, state.prop_tokens, state.prop_probs, state.prop_conf)  # fmt: skip
+    new, ro = finish_round(dcfg, scfg, dparams, rows, (logits, feats, _Lens(state.pos)),
                            lengths_N, active_N, seeds, sp, key)  # fmt: skip
-    pos = new.cache.lengths
-    pc = commit(state.ctx, new.ctx, tables, state.pos, pos - state.pos, g + 1)
-    new_state = PagedState(cache, pc, pos, new.anchor, new.rounds, new.prop_tokens,
-                           new.prop_probs, new.prop_conf)  # fmt: skip
+    new_state = PagedState(cache, with_tables(new.ctx, None), new.cache.lengths, new.anchor,
+                           new.rounds, new.prop_tokens, new.prop_probs, new.prop_conf)  # fmt: skip
     return new_state, ro
 
 

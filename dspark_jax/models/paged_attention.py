@@ -109,31 +109,36 @@ def gather_pages(pages, block_tables_XxB):
     return g.reshape(x, b * page, nkv, d).transpose(0, 2, 1, 3)
 
 
-def _visible(key_pos_S, pos_X, valid_X, window, below_X=None):
+def _visible(key_pos_S, pos_X, valid_X, window, below_X=None, block=False):
     """[X, S] bool: key j visible to a query at pos p: j <= p (and j > p - window); with
-    `below_X`, only keys j < below (the prefix before the call's own tokens)."""
+    `below_X`, only keys j < below (the prefix before the call's own tokens); with `block`
+    the window is measured from below - 1 for every query (a drafter's block sees the prefix
+    its anchor's previous position sees)."""
     last = pos_X if below_X is None else below_X - 1
     m = (key_pos_S[None, :] <= last[:, None]) & valid_X[:, None]
     if window is not None:
-        m = m & (key_pos_S[None, :] > pos_X[:, None] - window)
+        m = m & (key_pos_S[None, :] > (last if block else pos_X)[:, None] - window)
     return m
 
 
 def _xla(q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
-         *, q_per_req, window, softcap, new_kv=None, scale=None):  # fmt: skip
+         *, q_per_req, window, softcap, new_kv=None, scale=None, block=False):  # fmt: skip
     """Pure JAX over `layers.attend`. Two layouts of the same reads:
     token-major (`q_per_req=0`): every token gathers its request's pages, T groups of one query
     (T copies of the context: cheap for few tokens over short contexts);
     request-major (`q_per_req=G`): each request's pages gathered once and its new tokens laid
     out as G query rows (R x G x S scores; every request must have at most G new tokens).
     With `new_kv` the pool is read for the prefix only and the call's own K/V are a second key
-    set (one softmax over both)."""
+    set (one softmax over both); `block` (request-major with `new_kv` only): a request's new
+    tokens see each other both ways and the window is the block's (`_visible`)."""
     t = q_TxNxD.shape[0]
     r, b = block_tables_RxB.shape
     page = k_pages.shape[1]
     tm = token_map(cu_q_lens_R1, kv_lens_R, t)
     key_pos = jnp.arange(b * page, dtype=jnp.int32)
     below = None if new_kv is None else tm.pos - tm.offset
+    if block and not (q_per_req and new_kv is not None):
+        raise ValueError("paged_attention: block=True needs q_per_req > 0 and new_kv")
     if not q_per_req:
         tables = block_tables_RxB[tm.req]  # [T, B]
         k, v = gather_pages(k_pages, tables)[None], gather_pages(v_pages, tables)[None]
@@ -157,12 +162,13 @@ def _xla(q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
     k = gather_pages(k_pages, block_tables_RxB)[None]  # [1, R, n_kv, S, d]
     v = gather_pages(v_pages, block_tables_RxB)[None]
     below_g = None if below is None else by_row(below, 0)
-    mask = _visible(key_pos, pos_g, pos_g >= 0, window, below_g).reshape(1, r, g, b * page)
-    sets = [(k, v, mask)]
-    if new_kv is not None:  # row i of a request sees its rows j <= i (causal within the call)
-        p = pos_g.reshape(r, g)
-        own = (p[:, None, :] >= 0) & (p[:, :, None] >= 0) & jnp.tril(jnp.ones((g, g), bool))
-        if window is not None:
+    mask = _visible(key_pos, pos_g, pos_g >= 0, window, below_g, block)
+    sets = [(k, v, mask.reshape(1, r, g, b * page))]
+    if new_kv is not None:  # row i of a request sees its rows j <= i (causal within the call;
+        p = pos_g.reshape(r, g)  # a block: every row of its request)
+        own = (p[:, None, :] >= 0) & (p[:, :, None] >= 0)
+        own = own if block else own & jnp.tril(jnp.ones((g, g), bool))
+        if window is not None and not block:
             own = own & (p[:, None, :] > p[:, :, None] - window)
         kn, vn = (by_row(x, 0).reshape(r, g, *x.shape[1:]).transpose(0, 2, 1, 3)[None]
                   for x in new_kv)  # fmt: skip  # [1, R, n_kv, G, d]
@@ -194,6 +200,7 @@ def paged_attention(
     softcap: float | None = None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     scale: float | None = None,
+    block: bool = False,
     impl: str = "xla",
 ) -> jax.Array:
     """Attention of the bucket's queries over their requests' paged K/V: [T, n_q * d] in q's
@@ -204,8 +211,10 @@ def paged_attention(
     the call's tokens, not yet in the pool): the pool is read only below each request's new
     tokens and these are attended directly, so the pools need not be written first (the
     device-resident rounds write once, after choosing among programs). `scale` (static): the
-    scores' scale, None: 1/sqrt(d) (Gemma 4's layers: 1). Only impls that say so accept
-    `new_kv` or `scale`."""
+    scores' scale, None: 1/sqrt(d) (Gemma 4's layers: 1). `block` (static; with q_per_req
+    and new_kv): a drafter's block, whose tokens see each other both ways and the prefix
+    below their first position, windowed from there (`drafters.paged_context`). Only impls
+    that say so accept `new_kv`, `scale` or `block`."""
     if impl not in _IMPLS:
         raise ValueError(f"paged_attention: impl={impl!r} unknown; registered: {sorted(_IMPLS)}")
     nq, nkv = q_TxNxD.shape[1], k_pages.shape[2]
@@ -218,5 +227,7 @@ def paged_attention(
         kw["new_kv"] = new_kv
     if scale is not None:
         kw["scale"] = scale
+    if block:
+        kw["block"] = True
     return _IMPLS[impl](q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
                         **kw)  # fmt: skip
