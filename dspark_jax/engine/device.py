@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import drafters
+from dspark_jax.drafters.paged_context import PagedContext
 from dspark_jax.models import generate as gen
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.generate import sample_tokens
@@ -276,9 +277,15 @@ def verify_forward(
     return out.logits[0][idx], out.features[0][idx], c
 
 
-def finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, sp, key):
+def finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, sp, key,
+                 draft_rows=None):  # fmt: skip
     """Verify, commit (cache length, drafter context, anchor, round counter) and draft the next
-    block, from `verify_forward`'s outputs. Returns (state, RoundOut)."""
+    block, from `verify_forward`'s outputs. Returns (state, RoundOut).
+
+    `draft_rows` [M] (distinct slots, M static; None: every slot): the drafter extends and
+    proposes for these rows only, the others keep their context and pending block (the paged
+    round drafts the round's rows, `paged_device.paged_finish`; a slot outside them must be
+    inactive). A row's proposal does not depend on which other rows are drafted with it."""
     g = dcfg.block_size
     n = lengths_N.shape[0]
     logits, feats, cache = fwd
@@ -291,14 +298,49 @@ def finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, 
     i = jnp.arange(g + 1)[None, :]
     drafts_pad = jnp.concatenate([state.prop_tokens, jnp.zeros((n, 1), jnp.int32)], axis=1)
     next_tokens = jnp.where(i < a[:, None], drafts_pad, nxt[:, None])  # [N, γ+1]
-    ctx = drafters.extend_context(dcfg, dparams, state.ctx, feats, next_tokens, num_new)
     anchor = jnp.where(active_N, nxt, state.anchor)
     rounds = state.rounds + active_N.astype(jnp.int32)
-    prop = drafters.propose(dcfg, dparams, ctx, anchor, key, seeds_N, sp, scfg, rounds_B=rounds)
-    conf = _conf_or_zeros(prop, n, g)
     ok = finite_rows(logits, a, lengths_N, probs)
     emitted = jnp.where((i <= a[:, None]) & (active_N & ok)[:, None], next_tokens, -1)
-    new_state = SlotState(
-        cache, ctx, anchor, rounds, prop.tokens, prop.probs.astype(jnp.float32), conf
-    )
+    draft = lambda ctx, sel: _draft(dcfg, scfg, dparams, ctx, key, sel, feats, next_tokens,
+                                    num_new, anchor, seeds_N, sp, rounds)  # fmt: skip
+    if draft_rows is None:  # every row: the drafter's outputs are the state's
+        ctx_n, prop = draft(state.ctx, slice(None))
+        conf = _conf_or_zeros(prop, n, g)
+        toks, probs_n = prop.tokens, prop.probs.astype(jnp.float32)
+    else:
+        ctx, prop = draft(take_rows(state.ctx, draft_rows), draft_rows)
+        ctx_n = put_rows(state.ctx, ctx, draft_rows)
+        put = lambda whole, part: whole.at[draft_rows].set(part.astype(whole.dtype))
+        conf = put(state.prop_conf, _conf_or_zeros(prop, draft_rows.shape[0], g))
+        toks, probs_n = put(state.prop_tokens, prop.tokens), put(state.prop_probs, prop.probs)
+    new_state = SlotState(cache, ctx_n, anchor, rounds, toks, probs_n, conf)
     return new_state, RoundOut(emitted, jnp.where(ok, a, -1), conf)
+
+
+def _draft(dcfg, scfg, dparams, ctx, key, sel, feats, next_tokens, num_new, anchor, seeds, sp,
+           rounds):  # fmt: skip
+    """The drafter's extension and next proposal for rows `sel` of the per-row arrays (`ctx`:
+    those rows' context already). Returns (ctx, Proposal)."""
+    pick = lambda tree: jax.tree.map(lambda x: x[sel], tree)
+    ctx = drafters.extend_context(dcfg, dparams, ctx, feats[sel], next_tokens[sel], num_new[sel])
+    prop = drafters.propose(dcfg, dparams, ctx, anchor[sel], key, seeds[sel], pick(sp), scfg,
+                            rounds_B=rounds[sel])  # fmt: skip
+    return ctx, prop
+
+
+def take_rows(ctx, sel_M):
+    """The drafter context's rows `sel` (a dense context, or a paged one's per-row fields and
+    tables; its pools are shared by every row)."""
+    if isinstance(ctx, PagedContext):
+        rows = jax.tree.map(lambda x: x[sel_M], ctx.rows)
+        return ctx._replace(rows=rows, tables=None if ctx.tables is None else ctx.tables[sel_M])
+    return jax.tree.map(lambda x: x[sel_M], ctx)
+
+
+def put_rows(ctx, part, sel_M):
+    """`ctx` with rows `sel` replaced by `part` (a paged context: its pools are `part`'s)."""
+    put = lambda whole, p: jax.tree.map(lambda w, x: w.at[sel_M].set(x), whole, p)
+    if isinstance(ctx, PagedContext):
+        return part._replace(rows=put(ctx.rows, part.rows), tables=ctx.tables)
+    return put(ctx, part)

@@ -144,8 +144,7 @@ def paged_verify(tcfg, dcfg, num_tokens, tparams, state, lengths_N, active_N, ta
     # The attention's rows: a bucket of T tokens holds at most T requests of at most T tokens
     # each, so the active slots (first, in slot order: the bucket's order) fill R = min(N, T)
     # rows of min(γ + 1, T) queries; small buckets attend over R rows, not N.
-    rows = min(lengths_N.shape[0], num_tokens)
-    order = jnp.argsort(jnp.logical_not(active_N), stable=True)[:rows]
+    order = round_rows(active_N, num_tokens)
     n_tok = jnp.where(active_N, lengths_N + 1, 0).astype(jnp.int32)[order]
     cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_tok).astype(jnp.int32)])
     kv_lens = jnp.where(n_tok > 0, state.pos[order] + n_tok, 0).astype(jnp.int32)
@@ -155,14 +154,26 @@ def paged_verify(tcfg, dcfg, num_tokens, tparams, state, lengths_N, active_N, ta
     return out.logits[0][idx], out.features[0][idx], c
 
 
-def paged_finish(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds, sp, key, tables):
+def round_rows(active_N, num_tokens: int):
+    """[min(N, T)] int32: the slots a round of T tokens serves, the active ones first in slot
+    order (a bucket of T tokens holds at most T requests), then inactive ones."""
+    rows = min(active_N.shape[0], num_tokens)
+    return jnp.argsort(jnp.logical_not(active_N), stable=True)[:rows].astype(jnp.int32)
+
+
+def paged_finish(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds, sp, key, tables,
+                 num_tokens=None):  # fmt: skip
     """`device.finish_round` on the paged state: the drafter extends and reads its pages under
-    the rows' tables (`drafters.paged_context`). Returns (state, RoundOut)."""
+    the rows' tables (`drafters.paged_context`), for the `round_rows` of a bucket of
+    `num_tokens` (static; None: every slot). Returns (state, RoundOut)."""
     logits, feats, cache = fwd
     rows = SlotState(_Lens(state.pos), with_tables(state.ctx, tables), state.anchor,
                      state.rounds, state.prop_tokens, state.prop_probs, state.prop_conf)  # fmt: skip
+    sel = None if num_tokens is None else round_rows(active_N, num_tokens)
+    if sel is not None and sel.shape[0] == active_N.shape[0]:
+        sel = None  # every slot: no row selection
     new, ro = finish_round(dcfg, scfg, dparams, rows, (logits, feats, _Lens(state.pos)),
-                           lengths_N, active_N, seeds, sp, key)  # fmt: skip
+                           lengths_N, active_N, seeds, sp, key, draft_rows=sel)  # fmt: skip
     new_state = PagedState(cache, with_tables(new.ctx, None), new.cache.lengths, new.anchor,
                            new.rounds, new.prop_tokens, new.prop_probs, new.prop_conf)  # fmt: skip
     return new_state, ro
@@ -176,4 +187,4 @@ def paged_round(spec: RoundSpec, tparams, dparams, state: PagedState, inp: Paged
     fwd = paged_verify(spec.tcfg, spec.dcfg, spec.num_tokens, tparams, state, lengths_N,
                        base.active, tables)  # fmt: skip
     return paged_finish(spec.dcfg, spec.scfg, dparams, state, fwd, lengths_N, base.active,
-                        base.seeds, base.sampling, base.key, tables)  # fmt: skip
+                        base.seeds, base.sampling, base.key, tables, spec.num_tokens)  # fmt: skip
