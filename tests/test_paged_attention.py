@@ -8,7 +8,6 @@ import pytest
 
 from dspark_jax.models.layers import attend
 from dspark_jax.models.paged_attention import (
-    block_pages,
     gather_pages,
     paged_attention,
     register_impl,
@@ -181,39 +180,3 @@ def test_request_major_overflow_gives_zeros_not_another_requests_rows():
     keep = np.asarray([0, 1, 3, 4, 7])
     np.testing.assert_array_equal(short[keep], full[keep])
     assert not short[[2, 5, 6]].any()
-
-
-@pytest.mark.parametrize("window,reqs", [(None, [(200, 3), (150, 2)]), (50, [(300, 3), (260, 2)])])
-def test_request_major_reads_only_the_blocks_its_rows_can_see(window, reqs):
-    """Long contexts over tables of 80 pages (3 blocks of 32 pages, `block_pages`): the online
-    softmax over blocks equals the float64 softmax, and the blocks no row can see (past the
-    longest context; with a window, below the lowest window) are never read: their values are
-    NaN here, which would poison any output that read them."""
-    page, width = 4, 80
-    assert block_pages(width, page) == 32
-    rng = np.random.default_rng(0)
-    r, nkv, nq, d = len(reqs), 2, 4, 8
-    tables = jnp.asarray(rng.permutation(r * width).reshape(r, width), jnp.int32)
-    k_dense = rng.normal(size=(r, nkv, width * page, d)).astype(np.float32)
-    v_dense = rng.normal(size=(r, nkv, width * page, d)).astype(np.float32)
-    kp = np.full((r * width, page, nkv, d), np.nan, np.float32)
-    vp = np.full((r * width, page, nkv, d), np.nan, np.float32)
-    span = 32 * page  # one block's positions
-    lo = 0 if window is None else min(kv - ql - window + 1 for kv, ql in reqs) // span * span
-    hi = -(-max(kv for kv, _ in reqs) // span) * span  # the read blocks: positions [lo, hi)
-    for i in range(r):
-        for pos in range(lo, min(hi, width * page)):
-            pg, off = int(tables[i, pos // page]), pos % page
-            kp[pg, off], vp[pg, off] = k_dense[i, :, pos], v_dense[i, :, pos]
-    assert (lo, hi) == ((0, 256) if window is None else (128, 384))  # one block skipped
-    # the last block's table columns past the 80 pages are padding (page 0), read and masked
-    kp[0], vp[0] = np.nan_to_num(kp[0]), np.nan_to_num(vp[0])
-    q = jnp.asarray(rng.normal(size=(8, nq, d)), jnp.float32)
-    kv_lens = jnp.asarray([kv for kv, _ in reqs], jnp.int32)
-    cu = jnp.asarray([0, 3, 5], jnp.int32)
-    got = np.asarray(paged_attention(q, jnp.asarray(kp), jnp.asarray(vp), tables, kv_lens, cu,
-                                     q_per_req=3, window=window))  # fmt: skip
-    ref = _numpy(q, k_dense, v_dense, reqs, window, None)
-    assert np.isfinite(got).all()
-    assert np.abs(got - ref).max() <= 1e-5
-    assert not got[5:].any()

@@ -34,7 +34,6 @@ takes the same arguments.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -160,90 +159,22 @@ def _xla(q_TxNxD, k_pages, v_pages, block_tables_RxB, kv_lens_R, cu_q_lens_R1,
         jnp.full((r * g,) + x.shape[1:], fill, x.dtype).at[row].set(x, mode="drop")
     )
     q_g, pos_g = by_row(q_TxNxD, 0), by_row(tm.pos, -1)
+    k = gather_pages(k_pages, block_tables_RxB)[None]  # [1, R, n_kv, S, d]
+    v = gather_pages(v_pages, block_tables_RxB)[None]
     below_g = None if below is None else by_row(below, 0)
-    own = None
+    mask = _visible(key_pos, pos_g, pos_g >= 0, window, below_g, block)
+    sets = [(k, v, mask.reshape(1, r, g, b * page))]
     if new_kv is not None:  # row i of a request sees its rows j <= i (causal within the call;
         p = pos_g.reshape(r, g)  # a block: every row of its request)
         own = (p[:, None, :] >= 0) & (p[:, :, None] >= 0)
         own = own if block else own & jnp.tril(jnp.ones((g, g), bool))
         if window is not None and not block:
             own = own & (p[:, None, :] > p[:, :, None] - window)
-        kn, vn = (by_row(x, 0).reshape(r, g, *x.shape[1:]).transpose(0, 2, 1, 3)
-                  for x in new_kv)  # fmt: skip  # [R, n_kv, G, d]
-        own = (kn, vn, own)
-    a = _request_major(q_g.reshape(r, g, *q_g.shape[1:]), k_pages, v_pages, block_tables_RxB,
-                       pos_g, below_g, window, block, softcap, scale, own)  # fmt: skip
+        kn, vn = (by_row(x, 0).reshape(r, g, *x.shape[1:]).transpose(0, 2, 1, 3)[None]
+                  for x in new_kv)  # fmt: skip  # [1, R, n_kv, G, d]
+        sets.append((kn, vn, own[None]))
+    a = attend(q_g[None], sets, scale=scale, softcap=softcap)[0]  # [R * G, n_q * d]
     return jnp.where((row < r * g)[:, None], a[jnp.minimum(row, r * g - 1)], 0).astype(a.dtype)
-
-
-def block_pages(width: int, page: int) -> int:
-    """Pages per block of the request-major loop for tables `width` pages wide: 128 positions,
-    or more so that a table is at most 16 blocks (loop steps have a fixed cost)."""
-    return min(width, max(-(-128 // page), -(-width // 16)))
-
-
-def _request_major(q_RxGxNxD, k_pages, v_pages, tables_RxB, pos_X, below_X, window, block,
-                   softcap, scale, own):  # fmt: skip
-    """[R * G, n_q * d] in q's dtype: each request's G query rows over its pages, read in blocks
-    of `block_pages` pages with an online softmax (running max, sum and output, fp32), only the
-    blocks holding a key some query may see (from the lowest window start to the highest visible
-    position over the call's rows), then `own` ((k, v [R, n_kv, G, d], mask [R, G, G]): the
-    call's K/V) as one more block. The result equals `layers.attend` over the gathered context
-    and `own` (one softmax over both) up to float reassociation; the cost follows the longest
-    row's context, not the table's width. Query rows at pos_X < 0 are padding."""
-    r, g, n, d = q_RxGxNxD.shape
-    _, page, nkv, _ = k_pages.shape
-    dt = q_RxGxNxD.dtype
-    per = block_pages(tables_RxB.shape[1], page)
-    steps = -(-tables_RxB.shape[1] // per)
-    tables = jnp.pad(tables_RxB, ((0, 0), (0, steps * per - tables_RxB.shape[1])))
-    q = q_RxGxNxD.reshape(r, g, nkv, n // nkv, d)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    valid = pos_X >= 0
-    last = pos_X if below_X is None else below_X - 1  # the highest key a query may see
-    span = per * page
-    hi = jnp.max(jnp.where(valid, last, -1))
-    stop = jnp.minimum((hi + span) // span, steps)  # blocks 0 .. stop - 1 hold every key <= hi
-    start = jnp.int32(0)
-    if window is not None:  # and keys below every query's window are never read
-        lo = jnp.min(jnp.where(valid, (last if block else pos_X) - window + 1, hi))
-        start = jnp.clip(lo, 0, None) // span
-
-    def scores(k, mask_RxGxS):  # k [R, n_kv, S, d] -> fp32 [R, G, n_kv, n_q/n_kv, S], masked
-        s = jnp.einsum("rgkqd,rksd->rgkqs", q, k.astype(dt), preferred_element_type=jnp.float32)
-        s = s * scale
-        if softcap is not None:
-            s = softcap * jnp.tanh(s / softcap)
-        return jnp.where(mask_RxGxS[:, :, None, None, :], s, -jnp.inf)
-
-    def update(carry, s, v):  # the online softmax's step over one block of keys
-        m, denom, acc = carry
-        m_new = jnp.maximum(m, s.max(-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        corr = jnp.exp(m - m_safe)
-        pv = jnp.einsum("rgkqs,rksd->rgkqd", p.astype(dt), v.astype(dt),
-                        preferred_element_type=jnp.float32)  # fmt: skip
-        return m_new, denom * corr + p.sum(-1), acc * corr[..., None] + pv
-
-    def body(i, carry):
-        cols = jax.lax.dynamic_slice_in_dim(tables, i * per, per, axis=1)
-        key_pos = i * span + jnp.arange(span, dtype=jnp.int32)
-        mask = _visible(key_pos, pos_X, valid, window, below_X, block).reshape(r, g, span)
-        k, v = gather_pages(k_pages, cols), gather_pages(v_pages, cols)
-        return update(carry, scores(k, mask), v)
-
-    stats = (r, g, nkv, n // nkv)
-    init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
-            jnp.zeros((*stats, d), jnp.float32))  # fmt: skip
-    # one block (tables of at most `block_pages`): straight-line code, no loop to compile
-    carry = body(0, init) if steps == 1 else jax.lax.fori_loop(start, stop, body, init)
-    if own is not None:
-        kn, vn, mask = own
-        carry = update(carry, scores(kn, mask), vn)
-    _, denom, acc = carry
-    out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
-    return out.astype(dt).reshape(r * g, n * d)
 
 
 AttentionImpl = Callable[..., jax.Array]
