@@ -6,7 +6,7 @@ its own error (naming its own knob) when `n` is above the largest bucket; `bucke
 None then.
 
 A leaf module (standard library and numpy only): spec/ and sched/ may import it
-(docs/ARCHITECTURE.md §2.11).
+(docs/ARCHITECTURE.md §2.12).
 """
 
 from __future__ import annotations

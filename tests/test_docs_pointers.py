@@ -283,7 +283,7 @@ def test_the_name_checker_can_fail(name, ok):
 # `dspark_jax/config/`); the first cell of each row names files: a bare `name.py` lies in the
 # heading's one folder, a `sub/name.py` under `dspark_jax/` (the notation of the subsections that
 # cover two folders, and of `runtime/` among the leaf modules). Subsections whose heading names
-# no folder (§2.1, the repository; §2.11, import direction) are not part of the map.
+# no folder (§2.1, the repository; §2.12, import direction) are not part of the map.
 
 _MAP_SECTION = re.compile(r"^## 2\.\s.*?(?=^## )", re.M | re.S)
 _SUBSECTION = re.compile(r"^### (2\.\d+)\s+(.*)$", re.M)
@@ -347,5 +347,5 @@ def test_the_package_map_checker_can_fail():
     assert "listed but no such file: dspark_jax/eval/gone.py" in package_map_problems(stale)
     twice = text.replace(row, row + "\n" + row)
     assert "listed twice: eval/decode_cost.py" in package_map_problems(twice)
-    bare = text.replace("`eval/decode_cost.py`", "`decode_cost.py`")  # §2.10 covers two folders
+    bare = text.replace("`eval/decode_cost.py`", "`decode_cost.py`")  # §2.11 covers two folders
     assert any("needs its folder" in p for p in package_map_problems(bare))

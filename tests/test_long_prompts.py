@@ -10,11 +10,11 @@ import pytest
 from dspark_jax import drafters
 from dspark_jax.engine import RequestParams, ServingEngine
 from dspark_jax.engine.config import EngineConfig
-from dspark_jax.engine.server import create_app
-from dspark_jax.engine.server_run import serve_in_thread
 from dspark_jax.errors import RequestError
 from dspark_jax.models.generate import generate
 from dspark_jax.run.rundir import RunDir
+from dspark_jax.server.app import create_app
+from dspark_jax.server.run import serve_in_thread
 from dspark_jax.testing import (
     random_params,
     tiny_drafter_config,

@@ -13,11 +13,11 @@ import pytest
 
 from dspark_jax import drafters
 from dspark_jax.engine.requests import RequestParams
-from dspark_jax.engine.server import create_app
-from dspark_jax.engine.server_run import serve_in_thread
 from dspark_jax.engine.serving import ServingEngine
 from dspark_jax.models import init_params
 from dspark_jax.models.generate import generate
+from dspark_jax.server.app import create_app
+from dspark_jax.server.run import serve_in_thread
 from dspark_jax.testing import tiny_drafter_config, tiny_target_config, tiny_tokenizer
 from dspark_jax.train.tokenizer import special_token_ids
 

@@ -12,11 +12,11 @@ import openai
 import pytest
 
 from dspark_jax import drafters, runtime
-from dspark_jax.engine.http_protocol import MAX_STOP_CHARS, MAX_STOP_IDS, MAX_STOPS
-from dspark_jax.engine.server import create_app
-from dspark_jax.engine.server_run import serve_in_thread
 from dspark_jax.engine.serving import ServingEngine
 from dspark_jax.models import init_params
+from dspark_jax.server.app import create_app
+from dspark_jax.server.protocol import MAX_STOP_CHARS, MAX_STOP_IDS, MAX_STOPS
+from dspark_jax.server.run import serve_in_thread
 from dspark_jax.testing import tiny_drafter_config, tiny_target_config, tiny_tokenizer
 
 MODEL = "dspark-tiny"

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dspark_jax.engine.server import create_app
-from dspark_jax.engine.server_run import serve_in_thread
 from dspark_jax.engine.serving import ServingEngine
 from dspark_jax.models.generate import generate
+from dspark_jax.server.app import create_app
+from dspark_jax.server.run import serve_in_thread
 from dspark_jax.testing import tiny_tokenizer
 from tests.engine_models import agreeing_pair
 

@@ -18,8 +18,8 @@ from tests.procs import free_port
 SCRIPT = r"""
 import sys
 from dspark_jax import drafters
-from dspark_jax.engine.server import create_app
-from dspark_jax.engine.server_run import run_server
+from dspark_jax.server.app import create_app
+from dspark_jax.server.run import run_server
 from dspark_jax.engine.serving import ServingEngine
 from dspark_jax.models import init_params
 from dspark_jax.testing import tiny_drafter_config, tiny_target_config

@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark_jax.engine.http_protocol import (
+from dspark_jax.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_body,
 )
-from dspark_jax.engine.http_text import IncrementalDetokenizer, StopStrings
+from dspark_jax.server.text import IncrementalDetokenizer, StopStrings
 from dspark_jax.testing import tiny_tokenizer
 
 

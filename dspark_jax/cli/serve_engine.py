@@ -24,8 +24,6 @@ from dspark_jax.config import DRAFTER_KINDS
 from dspark_jax.drafters.compat import check_fits, vocab_hash
 from dspark_jax.drafters.hf import load_hf_drafter, load_hf_drafter_extras
 from dspark_jax.engine.multihost import Mirror
-from dspark_jax.engine.server import create_app
-from dspark_jax.engine.server_run import run_server
 from dspark_jax.engine.serving import EngineConfig, ServingEngine
 from dspark_jax.engine.sharding import mesh_from_flag
 from dspark_jax.eval.load_test import check_local
@@ -34,6 +32,8 @@ from dspark_jax.models.hf import load_target, load_tokenizer, read_hf_config
 from dspark_jax.run.rundir import RunDir
 from dspark_jax.sched.cost import CostProfile
 from dspark_jax.sched.sts import STS
+from dspark_jax.server.app import create_app
+from dspark_jax.server.run import run_server
 from dspark_jax.spec.sampling import validate_sampling_params
 from dspark_jax.templates import encode_prompt
 from dspark_jax.train.tokenizer import special_token_ids

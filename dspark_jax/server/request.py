@@ -1,4 +1,4 @@
-"""One request of the HTTP server (`engine/server.py`), from its engine handle to the response:
+"""One request of the HTTP server (`server/app.py`), from its engine handle to the response:
 `Run` turns the engine's deltas into text pieces (incremental detokenizing, stop strings, the
 finish reason, errors and stats recorded in the server's metrics); `unary` answers with one
 OpenAI response body, `sse_stream` with server-sent events; a client that leaves cancels the
@@ -16,8 +16,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from dspark_jax.engine import faults
-from dspark_jax.engine.http_protocol import APIError
-from dspark_jax.engine.http_text import IncrementalDetokenizer, StopStrings
+from dspark_jax.server.protocol import APIError
+from dspark_jax.server.text import IncrementalDetokenizer, StopStrings
 
 
 class Run:

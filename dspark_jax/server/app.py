@@ -1,11 +1,11 @@
 """OpenAI-compatible HTTP server over one `ServingEngine` (FastAPI + uvicorn).
 
     app = create_app(engine, tokenizer, "dspark-tiny", stop_ids=run.stop_ids())
-    server_run.run_server(app, "127.0.0.1", 8000)   # blocks; SIGINT/SIGTERM drain and exit
+    run.run_server(app, "127.0.0.1", 8000)   # blocks; SIGINT/SIGTERM drain and exit
 
-This module parses, validates and admits requests; `server_request` runs each admitted one and
+This module parses, validates and admits requests; `server.request` runs each admitted one and
 writes its response. Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's chat template),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus, see `server_metrics`).
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus, see `server.metrics`).
 
 Contract:
 * with an `api_key`, every route but `/health` needs `Authorization: Bearer <key>` (else 401);
@@ -44,17 +44,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark_jax.engine.http_protocol import (
+from dspark_jax.engine.requests import QueueFull, RequestParams
+from dspark_jax.errors import RequestError
+from dspark_jax.server.metrics import ServerMetrics
+from dspark_jax.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     error_response,
     parse_body,
 )
-from dspark_jax.engine.requests import QueueFull, RequestParams
-from dspark_jax.engine.server_metrics import ServerMetrics
-from dspark_jax.engine.server_request import Run, sse_stream, unary
-from dspark_jax.errors import RequestError
+from dspark_jax.server.request import Run, sse_stream, unary
 
 MAX_BODY_BYTES = 4 << 20
 
