@@ -138,7 +138,7 @@ def closed_loop(
 def scheduler_host_us(eng, table, cost, sts, reps: int = 200) -> dict:
     """Host time of each policy's `Scheduler.lengths` at R = slots (median of `reps` calls, µs):
     it sits between a round's read-back and the next dispatch, so it is round time."""
-    from dspark_jax.engine.scheduling import Scheduler
+    from dspark_jax.engine.scheduler import Scheduler
 
     rho = np.random.default_rng(0).normal(2.0, 1.0, (eng.num_slots, eng.gamma))
     caps = np.full(eng.num_slots, eng.gamma)

@@ -30,7 +30,7 @@ GENERATE_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 GENERATE_LENGTH_BUCKETS: tuple[int, ...] = tuple(2**i for i in range(4, 16))  # 16 ... 32768
 # train/: padded training sequence lengths (data_packing.pad_to_bucket, the feature cache).
 TRAIN_SEQ_BUCKETS: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
-# engine/serving.py: prompt chunk lengths of the slot engine's prefill.
+# engine/engine.py: prompt chunk lengths of the slot engine's prefill.
 ENGINE_PROMPT_BUCKETS: tuple[int, ...] = (32, 128, 512)
 
 

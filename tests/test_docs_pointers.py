@@ -266,7 +266,7 @@ def test_paths_in_docstrings_and_comments_exist():
         ("dspark_jax.spec.verify", True),
         ("dspark_jax.spec.verify.verify_core", True),
         ("dspark_jax.sched.sts.STS.probs", True),
-        ("dspark_jax.engine.serving.ServingEngine.submit", True),
+        ("dspark_jax.engine.engine.ServingEngine.submit", True),
         ("dspark_jax.spec.verify.no_such_function", False),
         ("dspark_jax.no_such_module", False),
         ("dspark_jax.sched.sts.STS.no_such_method", False),

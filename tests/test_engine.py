@@ -251,7 +251,7 @@ def test_other_drafters_greedy_exact_and_accepted(kind, refs):
 
 
 def test_alg1_fills_the_token_bucket_with_next_ranked_drafts():
-    from dspark_jax.engine.scheduling import Scheduler
+    from dspark_jax.engine.scheduler import Scheduler
     from dspark_jax.sched import causal_greedy_lengths, top_k_lengths
 
     steep = CostProfile.from_step_time(1.0, 5.0, max_tokens=64)  # Algorithm 1 admits little

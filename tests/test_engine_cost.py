@@ -57,7 +57,7 @@ def test_scheduler_lengths_equal_the_policy_functions_and_the_bucket_fill():
     functions (Algorithm 1 on the unbucketed curve) followed by the bucket fill, ties included."""
     import numpy as np
 
-    from dspark_jax.engine.scheduling import Scheduler
+    from dspark_jax.engine.scheduler import Scheduler
     from dspark_jax.sched import causal_greedy_lengths, top_k_lengths
 
     g, buckets = 4, (2, 4, 8, 16, 24, 40)
@@ -93,7 +93,7 @@ def test_public_causal_greedy_verifies_what_the_engine_verifies():
     run's measured profile it verifies half as many tokens or fewer (often only the R anchors)."""
     import numpy as np
 
-    from dspark_jax.engine.scheduling import Scheduler
+    from dspark_jax.engine.scheduler import Scheduler
     from dspark_jax.sched import causal_greedy_lengths
 
     measured = json.loads((ROOT / "benchmarks/results/decode_cost.tiny_run.json").read_text())

@@ -12,7 +12,7 @@ import numpy as np
 
 from dspark_jax import drafters
 from dspark_jax.engine import ServingEngine
-from dspark_jax.engine import serving as serving_lib
+from dspark_jax.engine import engine as engine_lib
 from dspark_jax.engine.device import RoundInputs
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.generate import generate
@@ -73,10 +73,10 @@ def _head_dots(eng, mode="greedy"):
 def test_the_engine_runs_a_tied_head_untied_on_cpu_with_the_same_tokens(monkeypatch):
     tcfg, tp, dcfg, dp = _tied()
     eng = ServingEngine(tcfg, dcfg, tp, dp, **KW)
-    assert jax.default_backend() == "cpu" and serving_lib.untie_applies(tcfg, tp)
+    assert jax.default_backend() == "cpu" and engine_lib.untie_applies(tcfg, tp)
     assert not eng.tcfg.tie_word_embeddings
     assert _head_dots(eng) == ["0"]  # the [H, V] copy, not the transposed table
-    monkeypatch.setattr(serving_lib, "UNTIE_MAX_BYTES", 0)  # a table over the cap: kept tied
+    monkeypatch.setattr(engine_lib, "UNTIE_MAX_BYTES", 0)  # a table over the cap: kept tied
     tied = ServingEngine(tcfg, dcfg, tp, dp, **KW)
     assert tied.tcfg == tcfg and _head_dots(tied) == ["1"]
     for p in PROMPTS:
@@ -91,7 +91,7 @@ def test_the_engine_runs_a_tied_head_untied_on_cpu_with_the_same_tokens(monkeypa
 def test_an_untied_target_is_left_as_it_is():
     tcfg = tiny_target_config("qwen2")
     tp = random_params(tcfg, 0)
-    assert not serving_lib.untie_applies(tcfg, tp)
+    assert not engine_lib.untie_applies(tcfg, tp)
     dcfg = tiny_drafter_config("dspark", tcfg, block_size=G)
     eng = ServingEngine(tcfg, dcfg, tp, drafters.init_params(dcfg, seed=1, target_params=tp), **KW)
     assert eng.tcfg is tcfg and eng.programs.tparams is tp

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from dspark_jax import drafters
+from dspark_jax.engine.engine import ServingEngine
 from dspark_jax.engine.requests import RequestParams
-from dspark_jax.engine.serving import ServingEngine
 from dspark_jax.models import init_params
 from dspark_jax.models.generate import generate
 from dspark_jax.server.app import create_app

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from dspark_jax import drafters, runtime
-from dspark_jax.engine.serving import ServingEngine
+from dspark_jax.engine.engine import ServingEngine
 from dspark_jax.models import init_params
 from dspark_jax.server.app import create_app
 from dspark_jax.server.protocol import MAX_STOP_CHARS, MAX_STOP_IDS, MAX_STOPS

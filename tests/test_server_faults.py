@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dspark_jax.engine.serving import ServingEngine
+from dspark_jax.engine.engine import ServingEngine
 from dspark_jax.models.generate import generate
 from dspark_jax.server.app import create_app
 from dspark_jax.server.run import serve_in_thread

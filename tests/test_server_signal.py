@@ -20,7 +20,7 @@ import sys
 from dspark_jax import drafters
 from dspark_jax.server.app import create_app
 from dspark_jax.server.run import run_server
-from dspark_jax.engine.serving import ServingEngine
+from dspark_jax.engine.engine import ServingEngine
 from dspark_jax.models import init_params
 from dspark_jax.testing import tiny_drafter_config, tiny_target_config
 from dspark_jax.testing import tiny_tokenizer

@@ -143,7 +143,7 @@ def test_the_serving_engines_programs_are_compiled_with_its_option(monkeypatch, 
 
     real = programs_lib.engine_compiler_options()
     monkeypatch.setattr(programs_lib, "engine_compiler_options", lambda: BAD)
-    caplog.set_level(logging.ERROR, logger="dspark_jax.engine.serving")
+    caplog.set_level(logging.ERROR, logger="dspark_jax.engine.engine")
     out = run(engine(1), [3, 9, 1], 12)  # fails in prefill
     assert rejected(out) and out.tokens == []
     for k in (1, 4):  # with a prefill that compiles, in the one-round / K-round program

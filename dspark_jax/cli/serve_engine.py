@@ -23,8 +23,8 @@ from dspark_jax.compat import check_threshold, load_cost_profile
 from dspark_jax.config import DRAFTER_KINDS
 from dspark_jax.drafters.compat import check_fits, vocab_hash
 from dspark_jax.drafters.hf import load_hf_drafter, load_hf_drafter_extras
+from dspark_jax.engine.engine import EngineConfig, ServingEngine
 from dspark_jax.engine.multihost import Mirror
-from dspark_jax.engine.serving import EngineConfig, ServingEngine
 from dspark_jax.engine.sharding import mesh_from_flag
 from dspark_jax.eval.load_test import check_local
 from dspark_jax.launch import init_distributed

@@ -4,6 +4,7 @@ one the server, `serve.py generate` and the evaluator use. It wires an `EngineCo
 which timers call directly), the slot table, the round runner and the committer."""
 
 from dspark_jax.engine.config import EngineConfig
+from dspark_jax.engine.engine import ServingEngine
 from dspark_jax.engine.programs import EnginePrograms
 from dspark_jax.engine.requests import (
     Delta,
@@ -14,7 +15,6 @@ from dspark_jax.engine.requests import (
     RequestParams,
     SpecStats,
 )
-from dspark_jax.engine.serving import ServingEngine
 from dspark_jax.errors import PolicyError, RequestError
 
 __all__ = [

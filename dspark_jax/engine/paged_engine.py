@@ -37,9 +37,9 @@ from dspark_jax.engine.paged_rounds import paged_rounds
 from dspark_jax.engine.pages import PagePool
 from dspark_jax.engine.programs import EnginePrograms, _jitted
 from dspark_jax.engine.requests import RequestParams
+from dspark_jax.engine.runner import RoundRunner
 from dspark_jax.engine.sharding import paged_state_shardings
 from dspark_jax.engine.slots import Request, Resume, SlotTable
-from dspark_jax.engine.stepping import RoundRunner
 from dspark_jax.errors import ConfigError
 from dspark_jax.train.memory import GIB, HEADROOM, _gib, sharded_bytes
 

@@ -40,7 +40,7 @@ class Request:
     cancel_requested: bool = False
     fail_cause: str | None = None  # with cancel_requested: end with "error" (`engine.faults`)
     done: bool = False
-    fill: object = None  # `stepping.Fill` while its prompt is prefilled over several steps
+    fill: object = None  # `runner.Fill` while its prompt is prefilled over several steps
     # a preempted request's resume point (paged layout, `Resume`): what to prefill
     # again, the anchor it had and its round counter; None once its prefill has resumed
     resume: Resume | None = None

@@ -211,7 +211,7 @@ def untie_lm_head(cfg: TargetConfig, params: nnx.State) -> tuple[TargetConfig, n
     `lm_head.kernel` = a materialised [H, V] copy of the embedding table). Identical logits; the
     head's product then reads its weight in [in, out] order, which XLA:CPU's own dot kernels run
     several times faster than the tied table's transposed read at a few rows (the serving engine
-    runs a tied target this way on CPU: `engine.serving.untie_applies`). An untied model is
+    runs a tied target this way on CPU: `engine.engine.untie_applies`). An untied model is
     returned unchanged."""
     if not cfg.tie_word_embeddings:
         return cfg, params

@@ -32,7 +32,7 @@ from dspark_jax.config.pipeline import PipelineConfig
 from dspark_jax.drafters.compat import TargetId, vocab_hash
 from dspark_jax.drafters.hf import save_hf_drafter
 from dspark_jax.engine import ServingEngine
-from dspark_jax.engine.serving import MODES
+from dspark_jax.engine.engine import MODES
 from dspark_jax.errors import CheckpointError, ConfigError, RequestError
 from dspark_jax.models.hf import load_target, load_tokenizer
 from dspark_jax.parallel import shard_params

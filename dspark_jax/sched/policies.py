@@ -20,7 +20,7 @@ Policies (one interface, :class:`Policy`):
   current round admits the ``K`` largest current survivals (same order and ties).
 
 Token buckets (a ``"tokens"`` profile with ``token_buckets``, what the serving engine runs: the
-engine calls these same classes, `engine.scheduling`). A round of ``R + K`` tokens is padded to
+engine calls these same classes, `engine.scheduler`). A round of ``R + K`` tokens is padded to
 the next bucket, so :class:`CausalGreedy` and :class:`AsyncTopK` then admit the next-ranked drafts
 into the padding, which costs nothing (:func:`bucket_fill_count`). :class:`CausalGreedy` walks
 the profile's *unbucketed* curve (up to the largest bucket) for its early stop: the bucketed

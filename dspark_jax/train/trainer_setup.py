@@ -1,4 +1,4 @@
-"""How a `Trainer` is built (a mixin of `train.trainer`, the pattern of `engine.driving`):
+"""How a `Trainer` is built (a mixin of `train.trainer`, the pattern of `engine.loop`):
 validate everything that needs no device memory -> plan and check memory -> place the state and
 the jitted steps on the mesh -> open the run directory (checkpointers, resume, `config.json`).
 Nothing is written to the run directory before every check passed.

@@ -6,10 +6,10 @@ The engine wires five objects and keeps the public API (`submit`, `cancel`, `ste
   config     `EngineConfig` (engine.config): slots, lengths, buckets, modes, K, seed; frozen;
   programs   `EnginePrograms` (engine.programs): params, slot state, root key, jitted programs;
   slots      `SlotTable` (engine.slots): which request holds which slot, the waiting queue;
-  runner     `RoundRunner` (engine.stepping): requests -> program inputs, with the `Scheduler`
-             (engine.scheduling) choosing each round's verification lengths;
+  runner     `RoundRunner` (engine.runner): requests -> program inputs, with the `Scheduler`
+             (engine.scheduler) choosing each round's verification lengths;
   committer  `Committer` (engine.commit): device outputs -> tokens, deltas, metrics;
-and a `BackgroundLoop` (engine.driving) for `start` / `shutdown`.
+and a `BackgroundLoop` (engine.loop) for `start` / `shutdown`.
 
     eng = ServingEngine(tcfg, dcfg, tparams, dparams, num_slots=8, max_len=1024, policy="alg1",
                         cost_profile=profile, sts=sts)
@@ -47,13 +47,13 @@ from dspark_jax.engine import faults, paged_engine
 from dspark_jax.engine.commit import Committer, EngineCounters
 from dspark_jax.engine.compiles import CompileTally
 from dspark_jax.engine.config import MODES, EngineConfig
-from dspark_jax.engine.driving import BackgroundLoop, params_from_knobs
+from dspark_jax.engine.loop import BackgroundLoop, params_from_knobs
 from dspark_jax.engine.paged_engine import PagedRunner, split_resumed
 from dspark_jax.engine.programs import EnginePrograms
 from dspark_jax.engine.requests import Delta, QueueFull, RequestHandle, RequestParams
-from dspark_jax.engine.scheduling import Scheduler
+from dspark_jax.engine.runner import Fill, RoundRunner
+from dspark_jax.engine.scheduler import Scheduler
 from dspark_jax.engine.slots import Request, SlotTable, validate_request
-from dspark_jax.engine.stepping import Fill, RoundRunner
 from dspark_jax.errors import RequestError
 from dspark_jax.models.transformer import embedding_table, untie_lm_head
 

@@ -30,7 +30,7 @@ from dspark_jax.engine.device import PrefillInputs, RoundInputs
 from dspark_jax.engine.programs import EnginePrograms
 from dspark_jax.engine.requests import RequestParams
 from dspark_jax.engine.rounds import RoundsInputs
-from dspark_jax.engine.scheduling import Scheduler
+from dspark_jax.engine.scheduler import Scheduler
 from dspark_jax.engine.slots import Request
 from dspark_jax.sched.policies import FixedGamma, StaticThreshold
 
