@@ -51,7 +51,15 @@ from dspark_jax.drafters.eagle3 import (
 from dspark_jax.models.layers import dtype_of
 from dspark_jax.models.paged_attention import gather_pages, paged_attention, write_pages
 
-__all__ = ["PagedContext", "init_paged_context", "paged_extend", "paged_propose", "with_tables"]
+__all__ = [
+    "PagedContext",
+    "init_paged_context",
+    "paged_extend",
+    "paged_propose",
+    "put_rows",
+    "take_rows",
+    "with_tables",
+]
 
 
 class PagedContext(NamedTuple):
@@ -81,6 +89,20 @@ def init_paged_context(cfg: DrafterConfig, rows: int, num_pages: int, page_size:
 def with_tables(pc: PagedContext, tables_RxB) -> PagedContext:
     """`pc` addressed through `tables_RxB` (None: stripped, the form the engine stores)."""
     return pc._replace(tables=tables_RxB)
+
+
+def take_rows(pc: PagedContext, sel_M) -> PagedContext:
+    """The context of rows `sel` [M]: their per-row fields and tables (the pools are every
+    row's)."""
+    tables = None if pc.tables is None else pc.tables[sel_M]
+    return pc._replace(rows=jax.tree.map(lambda x: x[sel_M], pc.rows), tables=tables)
+
+
+def put_rows(pc: PagedContext, part: PagedContext, sel_M) -> PagedContext:
+    """`pc` with rows `sel` taken from `part` (a `take_rows` of it, then extended: its pools are
+    the new ones)."""
+    rows = jax.tree.map(lambda w, x: w.at[sel_M].set(x), pc.rows, part.rows)
+    return part._replace(rows=rows, tables=pc.tables)
 
 
 def _flat(x_BxKxTxD):

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import drafters
-from dspark_jax.drafters.paged_context import PagedContext
+from dspark_jax.drafters.paged_context import put_rows, take_rows
 from dspark_jax.models import generate as gen
 from dspark_jax.models import transformer as tf
 from dspark_jax.models.generate import sample_tokens
@@ -282,10 +282,10 @@ def finish_round(dcfg, scfg, dparams, state, fwd, lengths_N, active_N, seeds_N, 
     """Verify, commit (cache length, drafter context, anchor, round counter) and draft the next
     block, from `verify_forward`'s outputs. Returns (state, RoundOut).
 
-    `draft_rows` [M] (distinct slots, M static; None: every slot): the drafter extends and
-    proposes for these rows only, the others keep their context and pending block (the paged
-    round drafts the round's rows, `paged_device.paged_finish`; a slot outside them must be
-    inactive). A row's proposal does not depend on which other rows are drafted with it."""
+    `draft_rows` [M] (distinct slots, M static; None: every slot; a paged context only): the
+    drafter extends and proposes for these rows only, the others keep their context and pending
+    block (the paged round drafts the round's rows, `paged_device.paged_finish`; a slot outside
+    them must be inactive). A row's proposal does not depend on which other rows are drafted with it."""
     g = dcfg.block_size
     n = lengths_N.shape[0]
     logits, feats, cache = fwd
@@ -327,20 +327,3 @@ def _draft(dcfg, scfg, dparams, ctx, key, sel, feats, next_tokens, num_new, anch
     prop = drafters.propose(dcfg, dparams, ctx, anchor[sel], key, seeds[sel], pick(sp), scfg,
                             rounds_B=rounds[sel])  # fmt: skip
     return ctx, prop
-
-
-def take_rows(ctx, sel_M):
-    """The drafter context's rows `sel` (a dense context, or a paged one's per-row fields and
-    tables; its pools are shared by every row)."""
-    if isinstance(ctx, PagedContext):
-        rows = jax.tree.map(lambda x: x[sel_M], ctx.rows)
-        return ctx._replace(rows=rows, tables=None if ctx.tables is None else ctx.tables[sel_M])
-    return jax.tree.map(lambda x: x[sel_M], ctx)
-
-
-def put_rows(ctx, part, sel_M):
-    """`ctx` with rows `sel` replaced by `part` (a paged context: its pools are `part`'s)."""
-    put = lambda whole, p: jax.tree.map(lambda w, x: w.at[sel_M].set(x), whole, p)
-    if isinstance(ctx, PagedContext):
-        return part._replace(rows=put(ctx.rows, part.rows), tables=ctx.tables)
-    return put(ctx, part)
